@@ -1,0 +1,241 @@
+"""Ray backend of the single controller: placement groups, one Ray actor per worker, fault reporting.
+
+Layout: a :class:`RayResourcePool` reserves one placement group per node with one bundle per worker
+process (``{"CPU": cpus_per_process}`` plus ``{"GPU": 1}`` when ``use_gpu``). A
+:class:`RayWorkerGroup` starts one Ray actor per bundle, taking ``1 / max_colocate_count`` of it so
+that several groups (roles) can share the same devices, and gives each actor the torch.distributed
+environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``) and a fixed
+thread budget. The same code runs with ``use_gpu=False`` on a laptop and with GPUs on a cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
+
+from hybridflow.single_controller.base import ClassWithInitArgs, ResourcePool, WorkerGroup
+from hybridflow.single_controller.worker import find_free_port
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process of a group died (killed, crashed, out of memory) during a call."""
+
+
+class RayResourcePool(ResourcePool):
+    """Ray placement groups for ``process_on_nodes`` worker processes (one group per node)."""
+
+    def __init__(
+        self,
+        process_on_nodes: list[int],
+        use_gpu: bool = False,
+        max_colocate_count: int = 1,
+        cpus_per_process: float = 1.0,
+        name_prefix: str = "",
+        ready_timeout_s: float = 60.0,
+    ) -> None:
+        super().__init__(process_on_nodes, max_colocate_count)
+        self.use_gpu = use_gpu
+        self.cpus_per_process = cpus_per_process
+        self.name_prefix = name_prefix or f"pool_{uuid.uuid4().hex[:6]}"
+        self.ready_timeout_s = ready_timeout_s
+        self._placement_groups: list[PlacementGroup] | None = None
+
+    def bundle(self) -> dict[str, float]:
+        resources = {"CPU": self.cpus_per_process}
+        if self.use_gpu:
+            resources["GPU"] = 1
+        return resources
+
+    def get_placement_groups(self, strategy: str = "STRICT_PACK") -> list[PlacementGroup]:
+        """Create (once) and wait for the placement groups; a clear error if they cannot be placed."""
+        if self._placement_groups is None:
+            groups = [
+                placement_group([self.bundle()] * n, strategy=strategy, name=f"{self.name_prefix}_node{i}")
+                for i, n in enumerate(self.process_on_nodes)
+            ]
+            for i, pg in enumerate(groups):
+                if not pg.wait(timeout_seconds=self.ready_timeout_s):
+                    raise RuntimeError(
+                        f"resource pool {self.name_prefix!r}: placement group for node {i} "
+                        f"({self.process_on_nodes[i]} x {self.bundle()}) not ready after "
+                        f"{self.ready_timeout_s}s; cluster resources: {ray.available_resources()}"
+                    )
+            self._placement_groups = groups
+        return self._placement_groups
+
+    def actor_resources(self) -> dict[str, float]:
+        """What one worker actor takes from its bundle: a ``1/max_colocate_count`` share."""
+        share = 1.0 / self.max_colocate_count
+        return {"num_cpus": self.cpus_per_process * share, "num_gpus": share if self.use_gpu else 0}
+
+
+class RayClassWithInitArgs(ClassWithInitArgs):
+    """A worker class, its constructor arguments, and extra Ray actor options."""
+
+    def __init__(self, cls: type, *args, **kwargs) -> None:
+        super().__init__(cls, *args, **kwargs)
+        self.ray_options: dict = {}
+
+    def update_options(self, options: dict) -> RayClassWithInitArgs:
+        self.ray_options.update(options)
+        return self
+
+
+def _node_ip_of_bundle(pg: PlacementGroup, bundle_index: int) -> tuple[str, str]:
+    """``(node_id, node_ip)`` hosting a placement group's bundle."""
+    node_id = ray.util.placement_group_table(pg)["bundles_to_node_id"][bundle_index]
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            return node_id, node["NodeManagerAddress"]
+    raise RuntimeError(f"node {node_id} of placement group {pg.id} not found")
+
+
+@ray.remote(num_cpus=0)
+def _free_port_on_node(host: str) -> int:
+    return find_free_port(host)
+
+
+def _master_addr_port(pg: PlacementGroup) -> tuple[str, int]:
+    """Rendezvous address for rank 0: loopback on a one-node cluster (the driver's own node),
+    otherwise the IP of rank 0's node with a port found free on that node."""
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    if len(alive) == 1:
+        return "127.0.0.1", find_free_port("127.0.0.1")
+    node_id, node_ip = _node_ip_of_bundle(pg, 0)
+    strategy = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+    return node_ip, ray.get(_free_port_on_node.options(scheduling_strategy=strategy).remote(node_ip))
+
+
+class RayWorkerGroup(WorkerGroup):
+    """``world_size`` Ray actors running ``ray_cls_with_init``; registered methods become group methods.
+
+    Args:
+        resource_pool: where the workers go (one worker per bundle).
+        ray_cls_with_init: the worker class and its constructor arguments.
+        name_prefix: names the group in actor names and error messages.
+        num_threads: torch/OpenMP threads per worker process (keep workers x threads <= cores).
+        env: extra environment variables for every worker.
+    """
+
+    def __init__(
+        self,
+        resource_pool: RayResourcePool | None = None,
+        ray_cls_with_init: RayClassWithInitArgs | None = None,
+        name_prefix: str | None = None,
+        num_threads: int = 1,
+        env: dict[str, str] | None = None,
+        _workers: list | None = None,
+        _role: str | None = None,
+    ) -> None:
+        super().__init__(name_prefix or f"wg_{uuid.uuid4().hex[:6]}", role=_role)
+        self.ray_cls_with_init = ray_cls_with_init
+        if _workers is None:
+            _workers = self._spawn(resource_pool, ray_cls_with_init, num_threads, env or {})
+        self._workers = _workers
+        self._process_info = self.execute_all("process_info")
+        self._bind_worker_methods(ray_cls_with_init.cls, role=_role)
+
+    @property
+    def world_size(self) -> int:
+        return len(self._workers)
+
+    @property
+    def workers(self) -> list:
+        return list(self._workers)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [info["pid"] for info in self._process_info]
+
+    # ------------------------------------------------------------------ spawning
+    def _spawn(
+        self, pool: RayResourcePool, cls_with_init: RayClassWithInitArgs, num_threads: int, extra_env: dict
+    ) -> list:
+        pgs = pool.get_placement_groups()
+        master_addr, master_port = _master_addr_port(pgs[0])
+        remote_cls = ray.remote(cls_with_init.cls)
+        workers, rank = [], 0
+        for pg, local_world_size in zip(pgs, pool.process_on_nodes, strict=True):
+            for local_rank in range(local_world_size):
+                env = {
+                    "WORLD_SIZE": str(pool.world_size),
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(local_rank),
+                    "LOCAL_WORLD_SIZE": str(local_world_size),
+                    "MASTER_ADDR": master_addr,
+                    "MASTER_PORT": str(master_port),
+                    "HYBRIDFLOW_WORKER_GROUP": self.name,
+                    "HYBRIDFLOW_NUM_THREADS": str(num_threads),
+                    "OMP_NUM_THREADS": str(num_threads),
+                    "MKL_NUM_THREADS": str(num_threads),
+                    "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+                    "TOKENIZERS_PARALLELISM": "false",
+                    **extra_env,
+                }
+                options = {
+                    **pool.actor_resources(),
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=local_rank
+                    ),
+                    "runtime_env": {"env_vars": env},
+                    "name": f"{self.name}_rank{rank}_{uuid.uuid4().hex[:4]}",
+                    **cls_with_init.ray_options,
+                }
+                workers.append(
+                    remote_cls.options(**options).remote(*cls_with_init.args, **cls_with_init.kwargs)
+                )
+                rank += 1
+        return workers
+
+    def spawn(self, prefix_set) -> dict[str, RayWorkerGroup]:
+        """For a colocated worker class: one group view per role, sharing these worker processes."""
+        return {
+            role: RayWorkerGroup(
+                ray_cls_with_init=self.ray_cls_with_init,
+                name_prefix=f"{self.name}/{role}",
+                _workers=self._workers,
+                _role=role,
+            )
+            for role in prefix_set
+        }
+
+    # ------------------------------------------------------------------ execution
+    def _submit(self, rank: int, method: str, args: tuple, kwargs: dict):
+        return getattr(self._workers[rank], method).remote(*args, **kwargs)
+
+    def _gather(self, futures: dict[int, ray.ObjectRef], method: str) -> dict[int, object]:
+        """Wait for every rank, surfacing the first failure at once (a dead rank must not leave the
+        controller waiting on peers blocked in a collective with it)."""
+        pending = {ref: rank for rank, ref in futures.items()}
+        outputs = {}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                rank = pending.pop(ref)
+                outputs[rank] = self._get_one(ref, rank, method)
+        return outputs
+
+    def _get_one(self, ref: ray.ObjectRef, rank: int, method: str):
+        where = f"worker group {self.name!r} rank {rank}"
+        if getattr(self, "_process_info", None):
+            where += f" (pid {self._process_info[rank]['pid']})"
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as err:
+            cause = err.as_instanceof_cause()
+            cause.add_note(f"raised in {where}, method {method!r}")
+            raise cause from None
+        except ray.exceptions.RayActorError as err:
+            raise WorkerDiedError(f"{where} died during {method!r}: {err.__class__.__name__}: {err}") from err
+
+    def shutdown(self) -> None:
+        """Kill the group's worker processes (also for role views: they share the processes)."""
+        for worker in self._workers:
+            ray.kill(worker, no_restart=True)

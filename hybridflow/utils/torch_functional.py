@@ -1,0 +1,112 @@
+"""Small masked-tensor and logits utilities used by the algorithms and the workers (torch only).
+
+Masks are 0/1 tensors broadcastable to the values (float weights also work). Masked reductions over an
+empty selection (mask sum 0) return 0, never NaN: a fully-masked micro-batch then contributes nothing
+instead of poisoning the step with NaN. This differs from verl, which divides by ``mask.sum() + 1e-8``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Rows of (B, T, V) logits processed at once by logprobs_from_logits; bounds the (rows, T, V) temporary.
+_LOGPROB_ROW_CHUNK = 8
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
+    """``sum(values * mask)`` over ``axis`` (all elements if None)."""
+    if axis is None:
+        return (values * mask).sum()
+    return (values * mask).sum(dim=axis)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` where ``mask`` is set, over ``axis`` (all elements if None).
+
+    Returns 0 (with a finite gradient) wherever the mask sums to 0.
+    """
+    total = masked_sum(values, mask, axis)
+    count = mask.sum() if axis is None else mask.sum(dim=axis)
+    count = count.to(total.dtype)
+    # Dividing by 1 where count == 0 keeps both the value (total is 0 there) and its gradient finite.
+    return total / torch.where(count == 0, torch.ones_like(count), count)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of the masked elements (a scalar).
+
+    ``unbiased`` applies Bessel's correction ``n / (n - 1)``. With ``n <= 1`` selected elements the
+    variance is defined as 0 (verl raises instead), so whitening a tiny or empty batch stays finite.
+    """
+    mean = masked_mean(values, mask)
+    sq_dev = masked_sum((values - mean) ** 2, mask)
+    count = mask.sum().to(sq_dev.dtype)
+    denom = count - 1 if unbiased else count
+    return sq_dev / torch.clamp(denom, min=1)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """``(values - mean) / sqrt(var + 1e-8)`` with masked statistics; keeps the mean if not shift_mean.
+
+    Shapes: values, mask (B, T) -> (B, T). Unmasked positions are transformed too (callers re-mask).
+    """
+    mean = masked_mean(values, mask)
+    var = masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened
+
+
+def clip_by_value(x: torch.Tensor, tensor_min: torch.Tensor, tensor_max: torch.Tensor) -> torch.Tensor:
+    """Element-wise ``min(max(x, tensor_min), tensor_max)`` with tensor bounds (as in the PPO value clip)."""
+    return torch.max(torch.min(x, tensor_max), tensor_min)
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``log softmax(logits)[labels]`` without materialising the full log-softmax.
+
+    Shapes: logits (B, T, V) (any leading dims), labels (B, T) int64 -> (B, T) in logits' dtype.
+    fp32/fp64 use ``logit[label] - logsumexp(logits)``; half precision falls back to a chunked
+    ``log_softmax`` + gather, because logsumexp in bf16 loses too much precision.
+    """
+    lead_shape = labels.shape
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_labels = labels.reshape(-1)
+    chunk = _LOGPROB_ROW_CHUNK * max(1, lead_shape[-1] if len(lead_shape) else 1)
+    pieces = []
+    for start in range(0, flat_logits.shape[0], chunk):
+        rows, row_labels = flat_logits[start : start + chunk], flat_labels[start : start + chunk]
+        if rows.dtype in (torch.float32, torch.float64):
+            picked = rows.gather(-1, row_labels.unsqueeze(-1)).squeeze(-1)
+            pieces.append(picked - torch.logsumexp(rows, dim=-1))
+        else:
+            logp = F.log_softmax(rows.float(), dim=-1)
+            pieces.append(logp.gather(-1, row_labels.unsqueeze(-1)).squeeze(-1).to(rows.dtype))
+    if not pieces:
+        return flat_logits.new_zeros(lead_shape)
+    return torch.cat(pieces).reshape(lead_shape)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Categorical entropy ``H = logsumexp(z) - sum softmax(z) * z``; shape (..., V) -> (...)."""
+    probs = F.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def get_response_mask(
+    response_ids: torch.Tensor, eos_token_id: int | list[int], dtype: torch.dtype = torch.int64
+) -> torch.Tensor:
+    """1 on every token up to and including the first EOS, 0 after it.
+
+    Shapes: response_ids (B, T_r) -> (B, T_r). ``eos_token_id`` may list several EOS ids. A row without
+    any EOS is all ones (the response was truncated at the length limit).
+
+    Example: ids ``[5, 7, 2, 0, 0]`` with eos 2 -> ``[1, 1, 1, 0, 0]``.
+    """
+    eos_ids = torch.as_tensor(eos_token_id, device=response_ids.device).reshape(-1)
+    is_eos = torch.isin(response_ids, eos_ids).to(torch.int64)
+    # EOS tokens strictly before position t; the first EOS itself is still kept.
+    eos_before = is_eos.cumsum(dim=-1) - is_eos
+    return (eos_before == 0).to(dtype)

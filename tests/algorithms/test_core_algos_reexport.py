@@ -1,0 +1,34 @@
+import numpy as np
+import torch
+
+import hybridflow.algorithms as algos
+from hybridflow.trainer.ppo import core_algos
+
+
+def test_reexports_are_the_same_objects():
+    for name in algos.__all__:
+        assert getattr(core_algos, name) is getattr(algos, name), name
+
+
+def test_verl_style_wrappers_match_registry():
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 0.5]], dtype=torch.float64)
+    mask = torch.ones_like(rewards)
+    index = np.array(["a", "a", "b"])
+    adv, ret = core_algos.compute_grpo_outcome_advantage(rewards, mask, index, norm_adv_by_std_in_grpo=False)
+    expected = algos.compute_advantage(
+        "grpo", algos.AdvantageInputs(rewards, mask, index=index, norm_adv_by_std_in_grpo=False)
+    )
+    torch.testing.assert_close(adv, expected.advantages)
+    torch.testing.assert_close(ret, expected.returns)
+    adv, _ = core_algos.compute_rloo_outcome_advantage(rewards, mask, index)
+    torch.testing.assert_close(adv[:, -1], torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64))
+    values = torch.full_like(rewards, 0.25)
+    adv, ret = core_algos.compute_gae_advantage_return(rewards, values, mask, gamma=1.0, lam=1.0)
+    # row 0: A_1 = 1 - 0.25 = 0.75, A_0 = 0 + 0.25 - 0.25 + 0.75 = 0.75 -> returns 1
+    torch.testing.assert_close(ret[0], torch.tensor([1.0, 1.0], dtype=torch.float64))
+
+
+def test_compute_rewards_is_k1_penalty():
+    scores = torch.tensor([[0.0, 1.0]])
+    out = core_algos.compute_rewards(scores, torch.tensor([[0.2, 0.4]]), torch.tensor([[0.0, 0.1]]), 0.5)
+    torch.testing.assert_close(out, torch.tensor([[-0.1, 0.85]]))
