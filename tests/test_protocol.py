@@ -162,7 +162,11 @@ def test_concat_collects_metrics_and_rejects_conflicting_meta():
 def test_reorder_and_repeat():
     data = make(3)
     data.reorder(torch.tensor([2, 0, 1]))
-    assert data.batch["ids"].tolist() == [2, 0, 1] and data.non_tensor_batch["uid"].tolist() == ["u2", "u0", "u1"]
+    assert data.batch["ids"].tolist() == [2, 0, 1] and data.non_tensor_batch["uid"].tolist() == [
+        "u2",
+        "u0",
+        "u1",
+    ]
     base = make(2)
     assert base.repeat(2, interleave=True).batch["ids"].tolist() == [0, 0, 1, 1]
     assert base.repeat(3, interleave=False).non_tensor_batch["uid"].tolist() == ["u0", "u1"] * 3
@@ -248,8 +252,21 @@ def test_to_device_and_repr():
 def test_standard_keys_are_declared_with_shapes():
     assert keys.SCHEMA[keys.RESPONSES].shape == "(B, T_r)"
     assert keys.OLD_LOG_PROBS == "old_log_probs" and keys.REF_LOG_PROB == "ref_log_prob"
-    for name in ("input_ids", "attention_mask", "position_ids", "prompts", "responses", "response_mask",
-                 "old_log_probs", "ref_log_prob", "values", "token_level_scores", "token_level_rewards",
-                 "advantages", "returns", "rollout_log_probs"):
+    for name in (
+        "input_ids",
+        "attention_mask",
+        "position_ids",
+        "prompts",
+        "responses",
+        "response_mask",
+        "old_log_probs",
+        "ref_log_prob",
+        "values",
+        "token_level_scores",
+        "token_level_rewards",
+        "advantages",
+        "returns",
+        "rollout_log_probs",
+    ):
         assert name in keys.SCHEMA, name
     assert "responses: (B, T_r) int64" in keys.describe("responses")
