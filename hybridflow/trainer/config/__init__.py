@@ -1,0 +1,169 @@
+"""Load and validate the trainer config before anything starts.
+
+``ppo_trainer.yaml`` is the single source of truth for key names and defaults. A composed config
+(CLI overrides, or a user YAML that lists ``ppo_trainer`` in its defaults) is checked against it:
+unknown keys, impossible batch divisibility, missing files and unregistered algorithm names are all
+collected and reported in one :class:`ConfigError` before Ray starts.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+CONFIG_DIR = Path(__file__).parent  # the YAML files live beside this module
+
+# Sections whose content is free-form (passed through to a model config, an engine, a manager).
+FREE_FORM_KEYS = frozenset({"override_config", "engine_kwargs", "reward_kwargs", "mixed_precision", "wrap_policy",
+                            "custom_cls"})
+
+
+class ConfigError(ValueError):
+    """One or more problems with the config, each on its own line."""
+
+
+def load_schema() -> DictConfig:
+    return OmegaConf.load(CONFIG_DIR / "ppo_trainer.yaml")
+
+
+def load_config(overrides: list[str] | None = None, config_name: str = "ppo_trainer",
+                config_dir: str | os.PathLike | None = None) -> DictConfig:
+    """Compose the config exactly as ``main_ppo`` does (Hydra), with verl-style ``key=value``
+    overrides; an override of a key that does not exist is a :class:`ConfigError`."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    with initialize_config_dir(config_dir=str(Path(config_dir or CONFIG_DIR).resolve()), version_base=None):
+        try:
+            return compose(config_name=config_name, overrides=list(overrides or []))
+        except ConfigCompositionException as err:
+            raise ConfigError(f"{err}: {err.__cause__}" if err.__cause__ else str(err)) from err
+
+
+def unknown_keys(config: DictConfig, schema: DictConfig, prefix: str = "") -> list[str]:
+    """Dotted paths present in ``config`` but not in ``schema`` (free-form sections excepted)."""
+    found = []
+    for key in config.keys():
+        path = f"{prefix}{key}"
+        if key not in schema:
+            found.append(path)
+        elif key not in FREE_FORM_KEYS and isinstance(config[key], DictConfig) and isinstance(schema[key], DictConfig):
+            found.extend(unknown_keys(config[key], schema[key], f"{path}."))
+    return found
+
+
+def validate_config(config: DictConfig) -> None:
+    """Raise :class:`ConfigError` listing every problem found."""
+    problems = [f"unknown config key {k!r} (not in ppo_trainer.yaml)" for k in unknown_keys(config, load_schema())]
+    for check in (_check_files, _check_batch_sizes, _check_names, _check_device, _check_unsupported):
+        problems.extend(check(config))
+    if problems:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def _paths(value) -> list[str]:
+    if value is None:
+        return []
+    return [str(v) for v in value] if isinstance(value, (list, ListConfig)) else [str(value)]
+
+
+def _check_files(config: DictConfig) -> list[str]:
+    problems = []
+    for key in ("train_files", "val_files"):
+        for path in _paths(config.data[key]):
+            if not os.path.isfile(os.path.expanduser(path)):
+                problems.append(f"data.{key}: file {path!r} does not exist")
+    model_path = os.path.expanduser(str(config.actor_rollout_ref.model.path))
+    if not os.path.isdir(model_path):
+        problems.append(f"actor_rollout_ref.model.path: {model_path!r} is not a local model directory")
+    if config.custom_reward_function.path and not os.path.isfile(os.path.expanduser(config.custom_reward_function.path)):
+        problems.append(f"custom_reward_function.path: {config.custom_reward_function.path!r} does not exist")
+    return problems
+
+
+def _divides(problems: list[str], what: str, value: int, by: int, by_what: str) -> None:
+    if by <= 0 or value % by:
+        problems.append(f"{what}={value} is not divisible by {by_what}={by}")
+
+
+def _check_batch_sizes(config: DictConfig) -> list[str]:
+    problems: list[str] = []
+    workers = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+    n = int(config.actor_rollout_ref.rollout.n)
+    train_bsz = int(config.data.train_batch_size)
+    actor = config.actor_rollout_ref.actor
+    _divides(problems, "data.train_batch_size x rollout.n", train_bsz * n, workers, "worker processes")
+    _divides(problems, "data.train_batch_size", train_bsz, int(actor.ppo_mini_batch_size),
+             "actor.ppo_mini_batch_size")
+    sections = [("actor_rollout_ref.actor", actor)]
+    from hybridflow.trainer.ppo.ray_trainer import need_critic
+
+    if need_critic(config):
+        sections.append(("critic", config.critic))
+    for name, section in sections:
+        responses = int(section.ppo_mini_batch_size) * n
+        _divides(problems, f"{name}.ppo_mini_batch_size x rollout.n", responses, workers, "worker processes")
+        micro = section.get("ppo_micro_batch_size_per_gpu")
+        if not section.use_dynamic_bsz and micro and responses % workers == 0:
+            _divides(problems, f"{name} mini-batch per worker", responses // workers, int(micro),
+                     f"{name}.ppo_micro_batch_size_per_gpu")
+    return problems
+
+
+def _check_names(config: DictConfig) -> list[str]:
+    from hybridflow.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+
+    actor = config.actor_rollout_ref.actor
+    wanted = [
+        (ADV_ESTIMATORS, config.algorithm.adv_estimator, "algorithm.adv_estimator"),
+        (POLICY_LOSSES, actor.policy_loss.loss_mode, "actor.policy_loss.loss_mode"),
+        (LOSS_AGG_MODES, actor.loss_agg_mode, "actor.loss_agg_mode"),
+        (KL_ESTIMATORS, actor.kl_loss_type, "actor.kl_loss_type"),
+        (KL_ESTIMATORS, config.algorithm.kl_penalty, "algorithm.kl_penalty"),
+    ]
+    problems = []
+    for registry, name, key in wanted:
+        if name not in registry:
+            problems.append(f"{key}={name!r} is not registered; registered: {', '.join(registry.names())}")
+    return problems + _check_plugin_names(config)
+
+
+def _check_plugin_names(config: DictConfig) -> list[str]:
+    import hybridflow.workers.rollout.hf_rollout  # noqa: F401  (registers "hf")
+    from hybridflow.workers.reward_manager import REWARD_MANAGERS
+    from hybridflow.workers.rollout.base import ROLLOUTS
+
+    problems = []
+    if config.actor_rollout_ref.rollout.name not in ROLLOUTS:
+        problems.append(f"rollout.name={config.actor_rollout_ref.rollout.name!r} is not registered; "
+                        f"registered: {', '.join(ROLLOUTS.names())}")
+    manager = config.reward_model.reward_manager
+    if manager not in REWARD_MANAGERS:
+        problems.append(f"reward_model.reward_manager={manager!r} is not registered; "
+                        f"registered: {', '.join(sorted(REWARD_MANAGERS))}")
+    return problems
+
+
+def _check_device(config: DictConfig) -> list[str]:
+    device = config.trainer.device
+    if device not in ("cpu", "cuda"):
+        return [f"trainer.device must be cpu or cuda, not {device!r}"]
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return ["trainer.device=cuda but no CUDA device is visible (use trainer.device=cpu)"]
+    return []
+
+
+def _check_unsupported(config: DictConfig) -> list[str]:
+    problems = []
+    if int(config.actor_rollout_ref.actor.ulysses_sequence_parallel_size) != 1:
+        problems.append("actor.ulysses_sequence_parallel_size must be 1 (sequence parallelism is not implemented)")
+    if config.actor_rollout_ref.rollout.multi_turn.enable:
+        problems.append("rollout.multi_turn.enable=true is not implemented yet")
+    if int(config.actor_rollout_ref.model.lora_rank) > 0:
+        problems.append("model.lora_rank > 0 (LoRA) is not implemented yet")
+    return problems

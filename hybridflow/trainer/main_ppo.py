@@ -1,0 +1,104 @@
+"""Entry point: ``python -m hybridflow.trainer.main_ppo key=value ...`` (verl's command-line shape).
+
+Also ``--config-path DIR --config-name NAME`` with a user YAML whose defaults list ``ppo_trainer``.
+The config is validated completely before Ray starts.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+
+@hydra.main(config_path="config", config_name="ppo_trainer", version_base=None)
+def main(config: DictConfig) -> None:
+    run_ppo(config)
+
+
+def run_ppo(config: DictConfig, worker_groups=None) -> dict[str, float]:
+    """Validate, start Ray if needed, build data/reward/workers, train. Returns the last metrics."""
+    import ray
+    import torch
+
+    from hybridflow.trainer.config import validate_config
+
+    OmegaConf.resolve(config)
+    validate_config(config)
+    torch.set_num_threads(1)  # the driver only moves batches and does light maths
+    if not ray.is_initialized():
+        ray.init(address=config.ray_init.address, num_cpus=config.ray_init.num_cpus, include_dashboard=False,
+                 configure_logging=False)
+    trainer = build_trainer(config, worker_groups)
+    try:
+        trainer.init_workers()
+        return trainer.fit()
+    finally:
+        trainer.tracker.finish()
+        _plot(config, trainer.tracker)
+
+
+def build_trainer(config: DictConfig, worker_groups=None):
+    from hybridflow.models.loading import load_tokenizer
+    from hybridflow.trainer.ppo.ray_trainer import RayPPOTrainer
+    from hybridflow.utils.tracking import Tracking
+    from hybridflow.workers.reward_manager import build_reward_manager
+
+    tokenizer = load_tokenizer(os.path.expanduser(config.data.tokenizer or config.actor_rollout_ref.model.path),
+                               custom_chat_template=config.actor_rollout_ref.model.custom_chat_template)
+    train_loader, val_loader = build_dataloaders(config, tokenizer)
+    max_resp_len = int(config.data.max_response_length)
+    reward_fn = build_reward_manager(config.reward_model, config.custom_reward_function, tokenizer, num_examine=0,
+                                     max_resp_len=max_resp_len)
+    val_reward_fn = build_reward_manager(config.reward_model, config.custom_reward_function, tokenizer,
+                                         num_examine=1, max_resp_len=max_resp_len)
+    tracker = Tracking(project_name=config.trainer.project_name, experiment_name=config.trainer.experiment_name,
+                       default_backend=list(config.trainer.logger),
+                       config=OmegaConf.to_container(config, resolve=True), log_dir=log_dir(config))
+    return RayPPOTrainer(config, tokenizer, train_loader, val_loader, reward_fn, val_reward_fn, tracker=tracker,
+                         worker_groups=worker_groups)
+
+
+def log_dir(config: DictConfig) -> str:
+    return os.path.join("outputs", config.trainer.project_name, config.trainer.experiment_name)
+
+
+def build_dataloaders(config: DictConfig, tokenizer):
+    from hybridflow.utils.dataset import RLHFDataset, StatefulDataLoader, collate_fn
+
+    data = config.data
+    train = RLHFDataset(list(_as_list(data.train_files)), tokenizer, data)
+    val = RLHFDataset(list(_as_list(data.val_files)), tokenizer, data)
+    train_loader = StatefulDataLoader(train, batch_size=int(data.train_batch_size), shuffle=bool(data.shuffle),
+                                      seed=int(data.seed), drop_last=True, collate_fn=collate_fn)
+    val_loader = StatefulDataLoader(val, batch_size=int(data.val_batch_size or len(val)),
+                                    shuffle=bool(data.validation_shuffle), seed=int(data.seed), drop_last=False,
+                                    collate_fn=collate_fn)
+    if len(train_loader) == 0:
+        raise ValueError(f"data.train_files hold {len(train)} prompts, fewer than data.train_batch_size="
+                         f"{data.train_batch_size}")
+    return train_loader, val_loader
+
+
+def _as_list(value):
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _plot(config: DictConfig, tracker) -> None:
+    if not config.trainer.get("plot_curves", True) or "jsonl" not in list(config.trainer.logger):
+        return
+    from hybridflow.utils.plot_metrics import plot_metrics
+
+    metrics_path = os.path.join(log_dir(config), "metrics.jsonl")
+    if os.path.exists(metrics_path):
+        out = os.path.join(log_dir(config), "curves.png")
+        plot_metrics(metrics_path, out)
+        print(f"curves: {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Trainer-level checkpoints: ``default_local_dir/global_step_N/{actor,critic,data.pt}``.
+
+A save writes every part of step N first and moves ``latest_checkpointed_iteration.txt`` last (an
+atomic rename), so a crash in the middle of a save leaves the previous checkpoint as the one that
+resume finds. ``data.pt`` holds the dataloader position and the trainer's own state (KL coefficient).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hybridflow.utils.checkpoint.tracker import (
+    atomic_torch_save,
+    find_latest_ckpt_path,
+    global_step_dir,
+    prune_checkpoints,
+    write_latest_checkpointed_iteration,
+)
+
+
+class TrainerCheckpointer:
+    """``trainer`` config section: save_freq, default_local_dir, resume_mode, resume_from_path,
+    max_actor_ckpt_to_keep, max_critic_ckpt_to_keep."""
+
+    def __init__(self, trainer_cfg) -> None:
+        self.cfg = trainer_cfg
+        self.root = os.path.expanduser(str(trainer_cfg.default_local_dir))
+
+    def save(self, trainer) -> str:
+        step = trainer.global_steps
+        step_dir = global_step_dir(self.root, step)
+        keep = self.cfg.get("max_actor_ckpt_to_keep")
+        trainer.wg.actor_rollout.save_checkpoint(os.path.join(step_dir, "actor"), step, None)
+        if trainer.wg.critic is not None:
+            trainer.wg.critic.save_checkpoint(os.path.join(step_dir, "critic"), step, None)
+        state = {"dataloader": trainer.train_dataloader.state_dict(), "global_steps": step,
+                 "kl_coef": trainer.kl_ctrl.value}
+        atomic_torch_save(state, os.path.join(step_dir, "data.pt"))
+        write_latest_checkpointed_iteration(self.root, step)
+        if keep:
+            prune_checkpoints(self.root, int(keep), protect=step)
+        return step_dir
+
+    def resume_path(self) -> str | None:
+        mode = self.cfg.get("resume_mode", "auto")
+        if mode == "disable":
+            return None
+        if mode == "resume_path":
+            path = self.cfg.get("resume_from_path")
+            if not path or not os.path.isdir(os.path.expanduser(path)):
+                raise FileNotFoundError(f"trainer.resume_mode=resume_path but resume_from_path={path!r} is not a "
+                                        "directory")
+            return os.path.expanduser(path)
+        if mode != "auto":
+            raise ValueError(f"trainer.resume_mode must be auto, disable or resume_path, not {mode!r}")
+        return find_latest_ckpt_path(self.root)
+
+    def load(self, trainer) -> int:
+        """Restore workers, dataloader and trainer state; returns the step to continue after (0: fresh)."""
+        path = self.resume_path()
+        if path is None:
+            return 0
+        state = torch.load(os.path.join(path, "data.pt"), weights_only=False)
+        trainer.wg.actor_rollout.load_checkpoint(os.path.join(path, "actor"))
+        if trainer.wg.critic is not None:
+            trainer.wg.critic.load_checkpoint(os.path.join(path, "critic"))
+        trainer.train_dataloader.load_state_dict(state["dataloader"])
+        trainer.kl_ctrl.value = state["kl_coef"]
+        print(f"resumed from {path} (step {state['global_steps']})")
+        return int(state["global_steps"])

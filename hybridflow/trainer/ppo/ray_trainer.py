@@ -1,0 +1,262 @@
+"""The PPO/GRPO single controller: the whole RL step, read top to bottom in ``fit_step``.
+
+The driver holds no model. It moves ``DataProto`` batches between worker groups — the hybrid
+actor/rollout/reference group, the critic, the optional reward model — and runs the cheap maths
+(rewards from rule functions, advantages, KL control) itself::
+
+    prompts ─ generate ─ reward ─ old_log_prob ─ ref_log_prob ─ values ─ advantage ─ update_critic ─ update_actor
+
+Each phase is a method taking and returning a DataProto, timed as ``timing_s/<phase>``.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from hybridflow import keys
+from hybridflow.algorithms import AdvantageInputs, apply_kl_penalty_to_rewards, compute_advantage, get_kl_controller
+from hybridflow.protocol import DataProto
+from hybridflow.trainer.ppo import metric_utils
+from hybridflow.trainer.ppo.checkpointing import TrainerCheckpointer
+from hybridflow.trainer.ppo.dynamic_sampling import GroupFilter
+from hybridflow.trainer.ppo.workers_setup import WorkerGroups, build_worker_groups
+from hybridflow.utils.seqlen_balancing import get_seqlen_balanced_partitions, log_seqlen_unbalance
+from hybridflow.utils.timer import marked_timer
+from hybridflow.utils.torch_functional import masked_mean
+
+# Estimators that read the critic's values; the critic is built only when one of them is selected.
+ESTIMATORS_NEEDING_VALUES = frozenset({"gae"})
+
+
+def need_critic(config: DictConfig) -> bool:
+    if config.critic.get("enable") is not None:
+        return bool(config.critic.enable)
+    return config.algorithm.adv_estimator in ESTIMATORS_NEEDING_VALUES
+
+
+def need_reference(config: DictConfig) -> bool:
+    return bool(config.actor_rollout_ref.actor.use_kl_loss or config.algorithm.use_kl_in_reward)
+
+
+class RayPPOTrainer:
+    """Drives PPO-family training over Ray worker groups. ``config`` is the resolved full tree."""
+
+    def __init__(self, config: DictConfig, tokenizer, train_dataloader, val_dataloader, reward_fn, val_reward_fn,
+                 tracker=None, worker_groups: WorkerGroups | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.train_dataloader = train_dataloader
+        self.val_dataloader = val_dataloader
+        self.reward_fn = reward_fn
+        self.val_reward_fn = val_reward_fn
+        self.tracker = tracker
+        self.use_critic = need_critic(config)
+        self.use_reference = need_reference(config)
+        self.kl_ctrl = get_kl_controller(**_kl_ctrl_kwargs(config.algorithm.kl_ctrl))
+        self.group_filter = GroupFilter(config.algorithm.filter_groups) if config.algorithm.filter_groups.enable \
+            else None
+        self.total_training_steps = total_training_steps(config, len(train_dataloader))
+        self.global_steps = 0
+        self.wg = worker_groups
+        self.checkpointer = TrainerCheckpointer(config.trainer)
+
+    # ------------------------------------------------------------------ setup
+    def init_workers(self) -> None:
+        """Spawn the colocated worker groups (one process per device) and load the models."""
+        if self.wg is None:
+            self.wg = build_worker_groups(self.config, self.use_critic, self.use_reference)
+        self.wg.init_models()
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict[str, float]:
+        """Train until ``total_training_steps``; returns the last step's metrics."""
+        from tqdm import tqdm
+
+        self.global_steps = self.checkpointer.load(self)
+        if self.config.trainer.val_before_train and self.val_reward_fn is not None and self.global_steps == 0:
+            self._log(self.validate(), step=0)
+            if self.config.trainer.val_only:
+                return {}
+        progress = tqdm(total=self.total_training_steps, initial=self.global_steps, desc="training",
+                        disable=not self.config.trainer.get("progress_bar", True), dynamic_ncols=True)
+        metrics: dict[str, float] = {}
+        data_iter = self._batches()
+        while self.global_steps < self.total_training_steps:
+            self.global_steps += 1
+            metrics = self.fit_step(data_iter)
+            if self._is_due(self.config.trainer.test_freq) and self.val_reward_fn is not None:
+                metrics.update(self.validate())
+            if self._is_due(self.config.trainer.save_freq):
+                self.checkpointer.save(self)
+            self._log(metrics, step=self.global_steps)
+            progress.set_postfix(score=f"{metrics.get('critic/score/mean', float('nan')):.3f}")
+            progress.update(1)
+        progress.close()
+        return metrics
+
+    def fit_step(self, data_iter) -> dict[str, float]:
+        """One RL step: the dataflow of the HybridFlow paper, phase by phase."""
+        timing: dict[str, float] = {}
+        metrics: dict[str, float] = {}
+        with marked_timer("step", timing):
+            with marked_timer("gen", timing):
+                batch = self.collect_rollouts(data_iter, metrics, timing)
+            if self.config.trainer.balance_batch:
+                self.balance_batch(batch, metrics)
+            batch.meta_info["global_token_num"] = batch.batch[keys.ATTENTION_MASK].sum(dim=-1).tolist()
+            with marked_timer("old_log_prob", timing):
+                batch = self.compute_old_log_prob(batch, metrics)
+            if self.use_reference:
+                with marked_timer("ref", timing):
+                    batch = self.compute_ref_log_prob(batch)
+            if self.use_critic:
+                with marked_timer("values", timing):
+                    batch = self.compute_values(batch)
+            with marked_timer("adv", timing):
+                batch = self.compute_advantage(batch, metrics)
+            if self.use_critic:
+                with marked_timer("update_critic", timing):
+                    metrics.update(self.update_critic(batch))
+            if self.global_steps > self.config.trainer.critic_warmup:
+                with marked_timer("update_actor", timing):
+                    metrics.update(self.update_actor(batch))
+        metrics.update(metric_utils.compute_data_metrics(batch, use_critic=self.use_critic))
+        metrics.update(metric_utils.compute_timing_metrics(batch, timing))
+        metrics.update(metric_utils.compute_throughput_metrics(batch, timing, n_workers=self.wg.world_size))
+        metrics.update(self.wg.mfu_metrics(batch, timing))
+        metrics["training/global_step"] = self.global_steps
+        return metrics
+
+    # ------------------------------------------------------------------ phases
+    def collect_rollouts(self, data_iter, metrics: dict, timing: dict) -> DataProto:
+        """Generate ``rollout.n`` responses per prompt and score them. With DAPO dynamic sampling,
+        keep generating until enough prompt groups have non-zero reward variance."""
+        batch = self.generate(next(data_iter), timing)
+        batch = self.compute_reward(batch, metrics, timing)
+        if self.group_filter is None:
+            return batch
+        return self.group_filter.fill(batch, lambda: self.compute_reward(self.generate(next(data_iter), timing),
+                                                                         metrics, timing),
+                                      self.config.data.train_batch_size, metrics)
+
+    def generate(self, prompts: DataProto, timing: dict) -> DataProto:
+        """Prompts (B) → B x n rows of prompt + response; rows of one prompt share a ``uid``."""
+        n = int(self.config.actor_rollout_ref.rollout.n)
+        prompts.non_tensor_batch[keys.UID] = np.array([str(uuid.uuid4()) for _ in range(len(prompts))], dtype=object)
+        prompts = prompts.repeat(n, interleave=True)
+        gen_input = prompts.select(batch_keys=[keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS],
+                                   non_tensor_batch_keys=[], meta_info_keys=[])
+        gen_input.meta_info = {"global_steps": self.global_steps, "do_sample": True}
+        output = self.wg.actor_rollout.generate_sequences(gen_input)
+        timing.update({k: sum(v) / len(v) for k, v in output.meta_info.pop("metrics", {}).items()})
+        prompts.pop(batch_keys=[keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS])
+        return prompts.union(output)
+
+    def compute_reward(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
+        """``token_level_scores`` (B, T_r): reward-model scores and/or the rule reward function."""
+        with marked_timer("reward", timing):
+            if self.wg.reward_model is not None:
+                batch = batch.union(self.wg.reward_model.compute_rm_score(batch))
+            result = self.reward_fn(batch, return_dict=True)
+        batch.batch[keys.TOKEN_LEVEL_SCORES] = result["reward_tensor"]
+        for key, values in result.get("reward_extra_info", {}).items():
+            if len(values) == len(batch):  # per-sample extras (acc, pred, ...) travel with the batch
+                batch.non_tensor_batch[key] = _object_array(values)
+        return batch
+
+    def balance_batch(self, batch: DataProto, metrics: dict) -> None:
+        """Reorder rows so every dp rank gets a similar number of tokens (in place)."""
+        seqlens = batch.batch[keys.ATTENTION_MASK].sum(dim=-1).tolist()
+        parts = get_seqlen_balanced_partitions(seqlens, k_partitions=self.wg.world_size, equal_size=True)
+        batch.reorder(torch.tensor([i for part in parts for i in part]))
+        metrics.update(log_seqlen_unbalance(seqlens, parts, prefix="global_seqlen"))
+
+    def compute_old_log_prob(self, batch: DataProto, metrics: dict) -> DataProto:
+        output = self.wg.actor_rollout.compute_log_prob(batch)
+        entropys = output.pop(batch_keys=["entropys"]).batch["entropys"]
+        metrics["actor/entropy"] = float(masked_mean(entropys, batch.batch[keys.RESPONSE_MASK].float()))
+        return batch.union(output.select(batch_keys=[keys.OLD_LOG_PROBS], meta_info_keys=[]))
+
+    def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
+        return batch.union(self.wg.actor_rollout.compute_ref_log_prob(batch))
+
+    def compute_values(self, batch: DataProto) -> DataProto:
+        return batch.union(self.wg.critic.compute_values(batch))
+
+    def compute_advantage(self, batch: DataProto, metrics: dict) -> DataProto:
+        """Rewards (optionally minus an in-reward KL penalty), then the registered estimator."""
+        algo = self.config.algorithm
+        response_mask = batch.batch[keys.RESPONSE_MASK]
+        scores = batch.batch[keys.TOKEN_LEVEL_SCORES]
+        if algo.use_kl_in_reward:
+            rewards, current_kl = apply_kl_penalty_to_rewards(
+                scores, batch.batch[keys.OLD_LOG_PROBS], batch.batch[keys.REF_LOG_PROB], response_mask,
+                self.kl_ctrl.value, algo.kl_penalty)
+            metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": self.kl_ctrl.value})
+            self.kl_ctrl.update(current_kl, n_steps=len(batch))
+        else:
+            rewards = scores
+        batch.batch[keys.TOKEN_LEVEL_REWARDS] = rewards
+        inputs = AdvantageInputs(
+            token_level_rewards=rewards, response_mask=response_mask, index=batch.non_tensor_batch[keys.UID],
+            values=batch.batch.get(keys.VALUES, None), reward_baselines=batch.batch.get("reward_baselines", None),
+            gamma=float(algo.gamma), lam=float(algo.lam), norm_adv_by_std_in_grpo=bool(algo.norm_adv_by_std_in_grpo))
+        advantages, returns = compute_advantage(algo.adv_estimator, inputs)
+        batch.batch[keys.ADVANTAGES] = advantages
+        batch.batch[keys.RETURNS] = returns
+        return batch
+
+    def update_critic(self, batch: DataProto) -> dict[str, float]:
+        batch.meta_info["global_steps"] = self.global_steps
+        output = self.wg.critic.update_critic(batch)
+        return metric_utils.reduce_metrics(output.meta_info["metrics"])
+
+    def update_actor(self, batch: DataProto) -> dict[str, float]:
+        batch.meta_info["global_steps"] = self.global_steps
+        batch.meta_info["temperature"] = float(self.config.actor_rollout_ref.rollout.temperature)
+        output = self.wg.actor_rollout.update_actor(batch)
+        return metric_utils.reduce_metrics(output.meta_info["metrics"])
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> dict[str, float]:
+        """Greedy (``val_kwargs``) generation on the validation set, scored by the reward function."""
+        from hybridflow.trainer.ppo.validation import run_validation
+
+        return run_validation(self)
+
+    # ------------------------------------------------------------------ helpers
+    def _batches(self):
+        """Training batches across epochs, resuming mid-epoch from the loader's state."""
+        while True:
+            for batch_dict in self.train_dataloader:
+                yield DataProto.from_single_dict(batch_dict)
+
+    def _is_due(self, freq) -> bool:
+        freq = int(freq or -1)
+        last = self.global_steps == self.total_training_steps
+        return freq > 0 and (self.global_steps % freq == 0 or last)
+
+    def _log(self, metrics: dict, step: int) -> None:
+        if self.tracker is not None and metrics:
+            self.tracker.log(data=metrics, step=step)
+
+
+def _object_array(values) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)
+    out[:] = list(values)
+    return out
+
+
+def _kl_ctrl_kwargs(kl_ctrl) -> dict:
+    return {"kl_ctrl_type": kl_ctrl.type, "kl_coef": float(kl_ctrl.kl_coef), "target_kl": float(kl_ctrl.target_kl),
+            "horizon": int(kl_ctrl.horizon)}
+
+
+def total_training_steps(config: DictConfig, batches_per_epoch: int) -> int:
+    if config.trainer.get("total_training_steps"):
+        return int(config.trainer.total_training_steps)
+    return batches_per_epoch * int(config.trainer.total_epochs)

@@ -1,0 +1,111 @@
+"""Which worker groups a PPO run needs, where they live, and how to start them.
+
+All roles are colocated (verl's default): one Ray actor process per device holds the hybrid
+actor/rollout/reference worker, the critic and the reward model, so they share the device and the
+process group. On CPU a "device" is one worker process with ``trainer.num_threads_per_worker``
+threads.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from hybridflow.protocol import DataProto
+from hybridflow.single_controller.ray import (
+    RayClassWithInitArgs,
+    RayResourcePool,
+    RayWorkerGroup,
+    create_colocated_worker_cls,
+)
+
+
+@dataclass
+class WorkerGroups:
+    """The role views of the colocated worker processes (``None`` for roles not in use)."""
+
+    actor_rollout: RayWorkerGroup
+    critic: RayWorkerGroup | None
+    reward_model: RayWorkerGroup | None
+    base: RayWorkerGroup
+    flops_counter: object | None = None
+    ppo_epochs: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.base.world_size
+
+    def init_models(self) -> None:
+        # Critic and reward model first (verl's order): the actor is the largest resident set.
+        for group in (self.critic, self.reward_model, self.actor_rollout):
+            if group is not None:
+                group.init_model()
+
+    def mfu_metrics(self, batch: DataProto, timing: dict) -> dict[str, float]:
+        """``perf/mfu/actor``: achieved training FLOP/s of the actor update over the peak of all workers."""
+        if self.flops_counter is None or "update_actor" not in timing:
+            return {}
+        seqlens = batch.meta_info.get("global_token_num") or []
+        achieved, peak = self.flops_counter.estimate(seqlens, timing["update_actor"])
+        return {"perf/mfu/actor": achieved * self.ppo_epochs / (peak * self.world_size)}
+
+    def shutdown(self) -> None:
+        self.base.shutdown()
+
+
+def actor_role(use_reference: bool) -> str:
+    return "actor_rollout_ref" if use_reference else "actor_rollout"
+
+
+def build_resource_pool(trainer_cfg: DictConfig) -> RayResourcePool:
+    use_gpu = trainer_cfg.device == "cuda"
+    return RayResourcePool(
+        process_on_nodes=[int(trainer_cfg.n_gpus_per_node)] * int(trainer_cfg.nnodes),
+        use_gpu=use_gpu,
+        max_colocate_count=1,
+        cpus_per_process=1.0,
+        name_prefix="global_pool",
+    )
+
+
+def build_worker_groups(config: DictConfig, use_critic: bool, use_reference: bool) -> WorkerGroups:
+    from hybridflow.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
+
+    class_dict = {"actor_rollout": RayClassWithInitArgs(ActorRolloutRefWorker, config.actor_rollout_ref,
+                                                        role=actor_role(use_reference))}
+    if use_critic:
+        class_dict["critic"] = RayClassWithInitArgs(CriticWorker, config.critic,
+                                                    rollout_n=int(config.actor_rollout_ref.rollout.n))
+    if config.reward_model.enable:
+        from hybridflow.workers.reward_model_worker import RewardModelWorker
+
+        class_dict["rm"] = RayClassWithInitArgs(RewardModelWorker, config.reward_model)
+    env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    base = RayWorkerGroup(build_resource_pool(config.trainer), create_colocated_worker_cls(class_dict),
+                          name_prefix="hybridflow", num_threads=int(config.trainer.num_threads_per_worker), env=env)
+    groups = base.spawn(class_dict.keys())
+    return WorkerGroups(
+        actor_rollout=groups["actor_rollout"],
+        critic=groups.get("critic"),
+        reward_model=groups.get("rm"),
+        base=base,
+        flops_counter=_flops_counter(config),
+        ppo_epochs=int(config.actor_rollout_ref.actor.ppo_epochs),
+    )
+
+
+def _flops_counter(config: DictConfig):
+    """Counts actor FLOPs against the peak of one worker (configured, or known for the device)."""
+    import transformers
+
+    from hybridflow.utils.flops_counter import FlopsCounter, default_peak_flops
+
+    model_config = transformers.AutoConfig.from_pretrained(os.path.expanduser(config.actor_rollout_ref.model.path))
+    peak = config.trainer.get("peak_flops_per_worker")
+    if not peak:
+        mp = config.actor_rollout_ref.actor.fsdp_config.get("mixed_precision") or {}
+        dtype = mp.get("param_dtype", config.actor_rollout_ref.actor.fsdp_config.get("model_dtype", "fp32"))
+        peak = default_peak_flops(config.trainer.device, dtype, int(config.trainer.num_threads_per_worker))
+    return FlopsCounter(model_config, float(peak))

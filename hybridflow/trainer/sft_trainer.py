@@ -1,0 +1,86 @@
+"""Supervised fine-tuning driven by the single controller: ``python -m hybridflow.trainer.sft_trainer``.
+
+The same FSDP2 model-building code as the RL actor, on a Ray worker group; the result is written as
+a Hugging Face directory (``trainer.default_local_dir``) that RL then starts from.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
+
+
+@hydra.main(config_path="config", config_name="sft_trainer", version_base=None)
+def main(config: DictConfig) -> None:
+    run_sft(config)
+
+
+def run_sft(config: DictConfig) -> dict[str, float]:
+    """Train and save; returns the last logged metrics."""
+    import ray
+    import torch
+    from tqdm import tqdm
+
+    from hybridflow.models.loading import load_tokenizer
+    from hybridflow.protocol import DataProto
+    from hybridflow.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
+    from hybridflow.trainer.ppo.workers_setup import build_resource_pool
+    from hybridflow.utils.dataset import StatefulDataLoader
+    from hybridflow.utils.dataset.sft_dataset import SFTDataset
+    from hybridflow.utils.tracking import Tracking
+    from hybridflow.workers.sft_worker import SFTWorker
+
+    OmegaConf.resolve(config)
+    torch.set_num_threads(1)
+    with open_dict(config):
+        config.model.path = config.model.partial_pretrain or config.model.path
+    tokenizer = load_tokenizer(os.path.expanduser(config.model.path))
+    dataset = SFTDataset(config.data.train_files, tokenizer, config.data.max_length, config.data.prompt_key,
+                         config.data.response_key, config.data.truncation)
+    loader = StatefulDataLoader(dataset, batch_size=int(config.data.train_batch_size),
+                                shuffle=bool(config.data.shuffle), seed=int(config.data.seed), drop_last=True,
+                                collate_fn=_stack)
+    total_steps = int(config.trainer.total_training_steps or len(loader) * int(config.trainer.total_epochs))
+    with open_dict(config):
+        config.optim.total_training_steps = total_steps
+    if not ray.is_initialized():
+        ray.init(address=config.ray_init.address, num_cpus=config.ray_init.num_cpus, include_dashboard=False,
+                 configure_logging=False)
+    wg = RayWorkerGroup(build_resource_pool(config.trainer), RayClassWithInitArgs(SFTWorker, config),
+                        name_prefix="sft", num_threads=int(config.trainer.num_threads_per_worker))
+    tracker = Tracking(config.trainer.project_name, config.trainer.experiment_name, list(config.trainer.logger))
+    metrics: dict[str, float] = {}
+    try:
+        wg.init_model()
+        step = 0
+        with tqdm(total=total_steps, desc="sft", dynamic_ncols=True) as progress:
+            while step < total_steps:
+                for batch in loader:
+                    step += 1
+                    out = wg.train_step(DataProto.from_single_dict(batch))
+                    metrics = {k: sum(v) / len(v) for k, v in out.meta_info["metrics"].items()}
+                    if step % int(config.trainer.log_freq) == 0 or step == total_steps:
+                        tracker.log(metrics, step=step)
+                    progress.set_postfix(loss=f"{metrics['train/loss']:.3f}")
+                    progress.update(1)
+                    if step >= total_steps:
+                        break
+        wg.save_hf_model(os.path.expanduser(config.trainer.default_local_dir))
+    finally:
+        tracker.finish()
+        wg.shutdown()
+    return metrics
+
+
+def _stack(rows: list[dict]) -> dict:
+    import torch
+
+    return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The data-parallel PPO actor: log-probs of responses and the clipped policy update.
+
+One instance lives in each rank of the actor worker group and owns that rank's FSDP2 shard of the
+policy. Mini-batches (``ppo_mini_batch_size`` prompts x ``rollout.n`` responses, divided over the
+ranks) give one optimizer step each; micro-batches inside accumulate gradients.
+
+Loss per micro-batch (PPO, Schulman et al. 2017, with verl's extensions)::
+
+    loss = pg_loss(old_log_probs, log_probs, advantages)      # any registered policy loss
+         - entropy_coeff * entropy                            # token entropy of the current policy
+         + kl_loss_coef  * KL(pi || pi_ref)                   # use_kl_loss (GRPO-style KL in the loss)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridflow import keys
+from hybridflow.algorithms import PolicyLossConfig, PolicyLossInputs, agg_loss, compute_policy_loss, kl_penalty
+from hybridflow.protocol import DataProto
+from hybridflow.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+from hybridflow.workers.fsdp_utils import grad_norm_and_clip
+from hybridflow.workers.micro_batch import restore_order, split_micro_batches
+
+_POLICY_LOSS_KEYS = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "tau_pos",
+                     "tau_neg")
+
+
+def forward_response_logits(model: nn.Module, micro: DataProto, temperature: float) -> torch.Tensor:
+    """Logits predicting each response token: (b, T_r, V), divided by the sampling temperature."""
+    response_len = micro.batch[keys.RESPONSES].shape[1]
+    output = model(
+        input_ids=micro.batch[keys.INPUT_IDS],
+        attention_mask=micro.batch[keys.ATTENTION_MASK],
+        position_ids=micro.batch[keys.POSITION_IDS],
+        use_cache=False,
+    )
+    logits = output.logits[:, -response_len - 1 : -1, :].float()
+    return logits / temperature if temperature not in (0, 1.0) else logits
+
+
+def policy_loss_config(actor_cfg) -> PolicyLossConfig:
+    """The actor config section (verl keys) as the algorithms' PolicyLossConfig."""
+    loss_cfg = actor_cfg.get("policy_loss", {}) or {}
+    return PolicyLossConfig(
+        loss_mode=loss_cfg.get("loss_mode", "vanilla"),
+        clip_ratio=float(actor_cfg.clip_ratio),
+        clip_ratio_low=actor_cfg.get("clip_ratio_low"),
+        clip_ratio_high=actor_cfg.get("clip_ratio_high"),
+        clip_ratio_c=float(actor_cfg.get("clip_ratio_c", 3.0)),
+        loss_agg_mode=actor_cfg.loss_agg_mode,
+        loss_scale_factor=actor_cfg.get("loss_scale_factor"),
+        **{k: float(loss_cfg[k]) for k in _POLICY_LOSS_KEYS if k in loss_cfg},
+    )
+
+
+class DataParallelPPOActor:
+    """Policy forward and update for one rank. ``config`` is the ``actor_rollout_ref.actor`` section,
+    with ``ppo_mini_batch_size`` already converted to responses per rank by the worker."""
+
+    def __init__(self, config, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.config = config
+        self.module = module
+        self.optimizer = optimizer
+        self.loss_config = policy_loss_config(config) if optimizer is not None else None  # ref: no update
+
+    # ------------------------------------------------------------------ log-probs
+    def _forward(self, micro: DataProto, temperature: float, with_entropy: bool):
+        logits = forward_response_logits(self.module, micro, temperature)
+        log_probs = logprobs_from_logits(logits, micro.batch[keys.RESPONSES])
+        entropy = entropy_from_logits(logits) if with_entropy else None
+        return log_probs, entropy
+
+    @torch.no_grad()
+    def compute_log_prob(self, data: DataProto, micro_batch_size: int | None, use_dynamic_bsz: bool = False,
+                         max_token_len: int | None = None, calculate_entropy: bool = False):
+        """``(log_probs (B, T_r), entropy (B, T_r) | None)`` of ``data[responses]`` under the current
+        weights; ``data.meta_info["temperature"]`` scales the logits as in sampling."""
+        temperature = float(data.meta_info.get("temperature", 1.0))
+        self.module.eval()
+        micros, order = split_micro_batches(data, micro_batch_size, use_dynamic_bsz, max_token_len)
+        outputs = [self._forward(m, temperature, calculate_entropy) for m in micros]
+        log_probs = restore_order(torch.cat([lp for lp, _ in outputs]), order)
+        entropy = restore_order(torch.cat([e for _, e in outputs]), order) if calculate_entropy else None
+        return log_probs, entropy
+
+    # ------------------------------------------------------------------ update
+    def _micro_loss(self, micro: DataProto, temperature: float) -> tuple[torch.Tensor, dict]:
+        cfg = self.config
+        with_entropy = float(cfg.entropy_coeff) != 0
+        log_probs, entropy = self._forward(micro, temperature, with_entropy)
+        mask = micro.batch[keys.RESPONSE_MASK].float()
+        inputs = PolicyLossInputs(
+            old_log_prob=micro.batch[keys.OLD_LOG_PROBS],
+            log_prob=log_probs,
+            advantages=micro.batch[keys.ADVANTAGES],
+            response_mask=mask,
+        )
+        pg_loss, metrics = compute_policy_loss(inputs, self.loss_config)
+        loss = pg_loss
+        metrics = {k: float(v) for k, v in metrics.items()}
+        metrics["actor/pg_loss"] = float(pg_loss.detach())
+        if with_entropy:
+            entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
+            loss = loss - float(cfg.entropy_coeff) * entropy_loss
+            metrics["actor/entropy"] = float(entropy_loss.detach())
+        if cfg.use_kl_loss:
+            kld = kl_penalty(log_probs, micro.batch[keys.REF_LOG_PROB], cfg.kl_loss_type)
+            kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode)
+            loss = loss + float(cfg.kl_loss_coef) * kl_loss
+            metrics["actor/kl_loss"] = float(kl_loss.detach())
+            metrics["actor/kl_coef"] = float(cfg.kl_loss_coef)
+        return loss, metrics
+
+    def _optimizer_step(self, metrics: dict[str, list]) -> None:
+        grad_norm = grad_norm_and_clip(self.module, float(self.config.grad_clip))
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:  # skip the step; the norm (inf/nan) is reported, nothing is applied
+            metrics.setdefault("actor/grad_norm_nonfinite_skipped", []).append(1.0)
+        metrics.setdefault("actor/grad_norm", []).append(float(grad_norm))
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def update_policy(self, data: DataProto) -> dict[str, list]:
+        """PPO epochs over mini-batches of ``data`` (needs responses, input_ids, attention_mask,
+        position_ids, response_mask, old_log_probs, advantages, and ref_log_prob with use_kl_loss)."""
+        cfg = self.config
+        temperature = float(data.meta_info.get("temperature", 1.0))
+        step = int(data.meta_info.get("global_steps", 0))
+        self.module.train()
+        metrics: dict[str, list] = {}
+        for epoch in range(int(cfg.ppo_epochs)):
+            for mini in self._mini_batches(data, seed=step * 1000 + epoch):
+                micros, _ = split_micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
+                                                cfg.ppo_max_token_len_per_gpu)
+                for index, micro in enumerate(micros):
+                    self._set_grad_sync(index == len(micros) - 1)
+                    loss, micro_metrics = self._micro_loss(micro, temperature)
+                    (loss * (len(micro) / len(mini))).backward()
+                    for key, value in micro_metrics.items():
+                        metrics.setdefault(key, []).append(value)
+                self._optimizer_step(metrics)
+        return metrics
+
+    def _mini_batches(self, data: DataProto, seed: int) -> list[DataProto]:
+        size = int(self.config.ppo_mini_batch_size)
+        if len(data) % size:
+            raise ValueError(f"actor update: {len(data)} rows per rank do not divide into mini-batches of {size}")
+        if self.config.shuffle:
+            generator = torch.Generator().manual_seed(seed)
+            data = data.select_idxs(torch.randperm(len(data), generator=generator))
+        return data.split(size)
+
+    def _set_grad_sync(self, sync: bool) -> None:
+        """Reduce-scatter gradients only on the last micro-batch of a mini-batch (FSDP2)."""
+        if hasattr(self.module, "set_requires_gradient_sync"):
+            self.module.set_requires_gradient_sync(sync)

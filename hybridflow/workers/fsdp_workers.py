@@ -1,0 +1,231 @@
+"""FSDP2 workers: the hybrid actor/rollout/reference worker and the critic worker.
+
+Each method the controller calls is declared with its distribution (``@register``): data methods are
+``DP_COMPUTE_PROTO`` (every rank gets its shard of the batch, outputs are concatenated in rank
+order), lifecycle methods are ``ONE_TO_ALL``. Each worker receives only its own config section
+(``actor_rollout_ref`` or ``critic``), already resolved by the trainer.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from hybridflow import keys
+from hybridflow.protocol import DataProto
+from hybridflow.single_controller import Dispatch, Worker, register
+from hybridflow.workers.actor.dp_actor import DataParallelPPOActor
+from hybridflow.workers.critic.dp_critic import DataParallelPPOCritic
+from hybridflow.workers.fsdp_utils import build_device_mesh
+from hybridflow.workers.model_builder import build_fsdp_module, build_training_parts, resolve_local_path
+from hybridflow.workers.rollout.base import get_rollout_cls
+
+ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
+
+
+def _own_copy(config) -> DictConfig:
+    """A private, mutable, fully resolved copy of a config section."""
+    return OmegaConf.create(OmegaConf.to_container(config, resolve=True))
+
+
+def _per_rank(total: int | None, world_size: int, what: str) -> int | None:
+    if total is None:
+        return None
+    if total % world_size:
+        raise ValueError(f"{what}={total} is not divisible by the {world_size} worker processes")
+    return total // world_size
+
+
+def _mean_metrics(metrics: dict[str, list]) -> dict[str, float]:
+    return {k: float(sum(v) / len(v)) for k, v in metrics.items() if v}
+
+
+def _memory_metrics() -> dict[str, float]:
+    metrics = {"perf/cpu_memory_used_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if torch.cuda.is_available():
+        metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return metrics
+
+
+def _checkpoint_manager(parts, tokenizer, contents):
+    from hybridflow.utils.checkpoint import FSDPCheckpointManager
+
+    return FSDPCheckpointManager(parts.module, parts.optimizer, parts.lr_scheduler, processing_class=tokenizer,
+                                 checkpoint_contents=tuple(contents))
+
+
+class FSDPWorkerBase(Worker):
+    """Process group, device mesh and checkpointing shared by the FSDP workers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.init_process_group()
+        self.device_mesh = build_device_mesh(self.world_size, self.device_type())
+        # Pure data parallelism: every rank is its own dp rank and is collected.
+        self.register_dispatch_collect_info("dp", dp_rank=self.rank, is_collect=True)
+        self.checkpoint_manager = None
+
+    def _save(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
+        self.checkpoint_manager.save_checkpoint(local_path, global_step, max_ckpt_to_keep=max_ckpt_to_keep)
+
+    def _load(self, local_path: str) -> None:
+        self.checkpoint_manager.load_checkpoint(local_path)
+
+
+class ActorRolloutRefWorker(FSDPWorkerBase):
+    """One process of the hybrid engine. ``role`` picks what it holds: the trainable actor, the
+    rollout that generates with the actor's own weights, and/or the frozen reference policy."""
+
+    def __init__(self, config, role: str = "actor_rollout_ref") -> None:
+        super().__init__()
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; use one of {ROLES}")
+        self.config = _own_copy(config)
+        self.role = role
+        self._is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref")
+        self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
+        self._is_ref = role in ("ref", "actor_rollout_ref")
+        self._normalise_batch_sizes()
+
+    def _normalise_batch_sizes(self) -> None:
+        """Config batch sizes are global prompts (verl); the actor works in responses per rank."""
+        cfg, world = self.config, self.world_size
+        with open_dict(cfg):
+            if self._is_actor:
+                responses = int(cfg.actor.ppo_mini_batch_size) * int(cfg.rollout.n)
+                cfg.actor.ppo_mini_batch_size = _per_rank(responses, world, "ppo_mini_batch_size x rollout.n")
+                if cfg.actor.get("ppo_micro_batch_size"):
+                    cfg.actor.ppo_micro_batch_size_per_gpu = _per_rank(
+                        int(cfg.actor.ppo_micro_batch_size), world, "actor.ppo_micro_batch_size")
+            for section in ("ref", "rollout"):
+                if cfg[section].get("log_prob_micro_batch_size"):
+                    cfg[section].log_prob_micro_batch_size_per_gpu = _per_rank(
+                        int(cfg[section].log_prob_micro_batch_size), world, f"{section}.log_prob_micro_batch_size")
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        from hybridflow.models.loading import get_generation_eos_ids, load_tokenizer
+
+        cfg = self.config
+        self.tokenizer = load_tokenizer(resolve_local_path(cfg.model.path),
+                                        trust_remote_code=cfg.model.get("trust_remote_code", False),
+                                        custom_chat_template=cfg.model.get("custom_chat_template"))
+        self.eos_token_ids = get_generation_eos_ids(resolve_local_path(cfg.model.path))
+        if self._is_actor:
+            self.actor_parts = build_training_parts(cfg.model, cfg.actor.fsdp_config, cfg.actor.optim,
+                                                    self.device_mesh)
+            self.actor_module = self.actor_parts.module
+            self.actor = DataParallelPPOActor(cfg.actor, self.actor_module, self.actor_parts.optimizer)
+            self.checkpoint_manager = _checkpoint_manager(self.actor_parts, self.tokenizer,
+                                                          cfg.actor.checkpoint.save_contents)
+        elif self._is_rollout:
+            self.actor_module = build_fsdp_module(cfg.model, cfg.actor.fsdp_config, self.device_mesh, trainable=False)
+        if self._is_rollout:
+            self.rollout = get_rollout_cls(cfg.rollout.name)(self.actor_module, cfg.rollout, rank=self.rank)
+        if self._is_ref:
+            ref_module = build_fsdp_module(cfg.model, cfg.ref.fsdp_config, self.device_mesh, trainable=False)
+            self.ref_policy = DataParallelPPOActor(cfg.ref, ref_module)
+
+    # ------------------------------------------------------------------ rollout
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Prompts (B, T_p) → prompts + responses; see ``hybridflow.workers.rollout.base``."""
+        prompts.meta_info.setdefault("eos_token_id", self.eos_token_ids)
+        prompts.meta_info.setdefault("pad_token_id", self.tokenizer.pad_token_id)
+        start = time.perf_counter()
+        output = self.rollout.generate_sequences(prompts)
+        output.meta_info["metrics"] = {"timing_s/generate_sequences": time.perf_counter() - start}
+        return output
+
+    # ------------------------------------------------------------------ log-probs
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """``old_log_probs`` and ``entropys`` (B, T_r) under the current actor weights."""
+        data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
+        rollout_cfg = self.config.rollout
+        log_probs, entropy = self.actor.compute_log_prob(
+            data, rollout_cfg.log_prob_micro_batch_size_per_gpu, rollout_cfg.log_prob_use_dynamic_bsz,
+            rollout_cfg.log_prob_max_token_len_per_gpu, calculate_entropy=True)
+        return DataProto.from_dict({keys.OLD_LOG_PROBS: log_probs, "entropys": entropy},
+                                   meta_info={"temperature": data.meta_info["temperature"]})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """``ref_log_prob`` (B, T_r) under the frozen reference policy."""
+        data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
+        ref_cfg = self.config.ref
+        log_probs, _ = self.ref_policy.compute_log_prob(
+            data, ref_cfg.log_prob_micro_batch_size_per_gpu, ref_cfg.log_prob_use_dynamic_bsz,
+            ref_cfg.log_prob_max_token_len_per_gpu)
+        return DataProto.from_dict({keys.REF_LOG_PROB: log_probs})
+
+    # ------------------------------------------------------------------ training
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_actor(self, data: DataProto) -> DataProto:
+        """One PPO update on this rank's shard; returns metrics (means over micro-batches)."""
+        data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
+        start = time.perf_counter()
+        lr = self.actor_parts.lr_scheduler.get_last_lr()[0]
+        metrics = _mean_metrics(self.actor.update_policy(data))
+        self.actor_parts.lr_scheduler.step()
+        metrics.update({"actor/lr": lr, "timing_s/update_actor_worker": time.perf_counter() - start,
+                        **_memory_metrics()})
+        return DataProto(meta_info={"metrics": metrics})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
+        self._save(local_path, global_step, max_ckpt_to_keep)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, local_path: str) -> None:
+        self._load(local_path)
+
+
+class CriticWorker(FSDPWorkerBase):
+    """The value model: the LM with a one-unit token-classification head."""
+
+    def __init__(self, config, rollout_n: int | None = None) -> None:
+        super().__init__()
+        self.config = _own_copy(config)
+        cfg, world = self.config, self.world_size
+        with open_dict(cfg):
+            responses = int(cfg.ppo_mini_batch_size) * int(rollout_n or cfg.get("rollout_n", 1))
+            cfg.ppo_mini_batch_size = _per_rank(responses, world, "critic.ppo_mini_batch_size x rollout.n")
+            if cfg.get("ppo_micro_batch_size"):
+                cfg.ppo_micro_batch_size_per_gpu = _per_rank(int(cfg.ppo_micro_batch_size), world,
+                                                             "critic.ppo_micro_batch_size")
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        from hybridflow.models.loading import load_tokenizer
+
+        cfg = self.config
+        self.tokenizer = load_tokenizer(resolve_local_path(cfg.model.tokenizer_path))
+        self.critic_parts = build_training_parts(cfg.model, cfg.model.fsdp_config, cfg.optim, self.device_mesh,
+                                                 kind="token_value")
+        self.critic = DataParallelPPOCritic(cfg, self.critic_parts.module, self.critic_parts.optimizer)
+        self.checkpoint_manager = _checkpoint_manager(self.critic_parts, self.tokenizer, cfg.checkpoint.save_contents)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_values(self, data: DataProto) -> DataProto:
+        """``values`` (B, T_r)."""
+        return DataProto.from_dict({keys.VALUES: self.critic.compute_values(data)})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_critic(self, data: DataProto) -> DataProto:
+        lr = self.critic_parts.lr_scheduler.get_last_lr()[0]
+        metrics = _mean_metrics(self.critic.update_critic(data))
+        self.critic_parts.lr_scheduler.step()
+        metrics["critic/lr"] = lr
+        return DataProto(meta_info={"metrics": metrics})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
+        self._save(local_path, global_step, max_ckpt_to_keep)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, local_path: str) -> None:
+        self._load(local_path)

@@ -1,0 +1,98 @@
+"""Load a Hugging Face model from a local directory and make it an FSDP2-sharded training module.
+
+Used by every FSDP worker (actor, reference, critic, reward model) so they share one loading path:
+``from_pretrained(local_dir)`` → optional gradient checkpointing → ``fully_shard`` → optimizer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hybridflow.workers.fsdp_utils import (
+    apply_fsdp2,
+    build_lr_scheduler,
+    build_optimizer,
+    enable_gradient_checkpointing,
+    to_dtype,
+)
+
+# Which transformers Auto class builds each kind of model.
+AUTO_CLASSES = {
+    "causal_lm": "AutoModelForCausalLM",
+    "token_value": "AutoModelForTokenClassification",  # critic: one value per token
+    "sequence_score": "AutoModelForSequenceClassification",  # reward model: one score per sequence
+}
+
+
+def resolve_local_path(path: str) -> str:
+    """Expand ``~`` and check that ``path`` is a local model directory (no hub access here)."""
+    local = os.path.expanduser(str(path))
+    if not os.path.isdir(local):
+        raise FileNotFoundError(
+            f"model path {path!r} is not a local directory; hybridflow loads models with "
+            "from_pretrained(local_dir) only (build one with `python -m hybridflow.models.tiny --out DIR`)"
+        )
+    return local
+
+
+def import_external_lib(name: str | None) -> None:
+    """verl's ``model.external_lib``: import a module that registers custom architectures."""
+    if name:
+        importlib.import_module(name)
+
+
+@dataclass
+class TrainingParts:
+    module: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None
+
+
+def load_hf_model(model_cfg, kind: str, dtype: torch.dtype, seed: int = 0) -> nn.Module:
+    """A plain (unsharded) model from ``model_cfg.path``. The seed makes freshly initialised heads
+    (critic value head, reward head) identical on every rank."""
+    import transformers
+
+    path = resolve_local_path(model_cfg.path)
+    import_external_lib(model_cfg.get("external_lib"))
+    config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.get("trust_remote_code", False))
+    for key, value in (model_cfg.get("override_config") or {}).items():
+        setattr(config, key, value)
+    extra = {"num_labels": 1} if kind != "causal_lm" else {}
+    for key, value in extra.items():
+        setattr(config, key, value)
+    auto_cls = getattr(transformers, AUTO_CLASSES[kind])
+    torch.manual_seed(seed)
+    verbosity = transformers.logging.get_verbosity()
+    if kind != "causal_lm":  # the new head is expected to be missing from an LM checkpoint: no load report
+        transformers.logging.set_verbosity_error()
+    try:
+        model = auto_cls.from_pretrained(path, config=config, dtype=dtype,
+                                         trust_remote_code=model_cfg.get("trust_remote_code", False))
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    if kind == "sequence_score" and getattr(model.config, "pad_token_id", None) is None:
+        model.config.pad_token_id = getattr(model.config, "eos_token_id", 0)
+    return model
+
+
+def build_fsdp_module(model_cfg, fsdp_cfg, mesh, kind: str = "causal_lm", trainable: bool = True) -> nn.Module:
+    """Load and shard one model; frozen (no grad) unless ``trainable``."""
+    dtype = to_dtype(fsdp_cfg.get("model_dtype", "fp32"))
+    model = load_hf_model(model_cfg, kind, dtype)
+    if trainable and model_cfg.get("enable_gradient_checkpointing", False):
+        enable_gradient_checkpointing(model)
+    if not trainable:
+        model.requires_grad_(False)
+    return apply_fsdp2(model, mesh, fsdp_cfg)
+
+
+def build_training_parts(model_cfg, fsdp_cfg, optim_cfg, mesh, kind: str = "causal_lm") -> TrainingParts:
+    module = build_fsdp_module(model_cfg, fsdp_cfg, mesh, kind, trainable=True)
+    optimizer = build_optimizer([p for p in module.parameters() if p.requires_grad], optim_cfg)
+    return TrainingParts(module, optimizer, build_lr_scheduler(optimizer, optim_cfg))

@@ -1,0 +1,80 @@
+"""The rollout interface and its name registry (``actor_rollout_ref.rollout.name``).
+
+A rollout turns a batch of left-padded prompts into prompts + responses. Input keys: ``input_ids``,
+``attention_mask``, ``position_ids`` (B, T_p); meta_info ``eos_token_id`` (int or list),
+``pad_token_id``, ``do_sample``, ``validate`` (use ``val_kwargs``), ``global_steps``. Output keys:
+``prompts`` (B, T_p), ``responses`` (B, T_r) right-padded with pad ids after EOS, ``response_mask``
+(B, T_r), ``input_ids``/``attention_mask``/``position_ids`` (B, T_p + T_r), and ``rollout_log_probs``
+(B, T_r) when the engine reports them. Responses are exactly ``rollout.response_length`` wide.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from hybridflow import keys
+from hybridflow.algorithms import Registry
+from hybridflow.protocol import DataProto
+from hybridflow.utils.torch_functional import get_response_mask
+
+ROLLOUTS: Registry = Registry("rollout")
+
+
+def register_rollout(name: str, *aliases: str):
+    """Class decorator: make a rollout selectable as ``actor_rollout_ref.rollout.name=<name>``."""
+    return ROLLOUTS.register(name, *aliases)
+
+
+def get_rollout_cls(name: str) -> type[BaseRollout]:
+    return ROLLOUTS.get(name)
+
+
+class BaseRollout(ABC):
+    """Generates responses for a batch of prompts."""
+
+    @abstractmethod
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """See the module docstring for the keys in and out."""
+
+    def release(self) -> None:
+        """Free generation-only memory (KV cache) between phases. No-op by default."""
+
+    def resume(self) -> None:
+        """Re-create what :meth:`release` freed. No-op by default."""
+
+
+def sampling_params(config, meta_info: dict) -> dict:
+    """Effective sampling settings: ``val_kwargs`` when validating, greedy when ``do_sample`` is off."""
+    source = config.val_kwargs if meta_info.get("validate", False) else config
+    do_sample = bool(meta_info.get("do_sample", source.get("do_sample", True)))
+    temperature = float(source.get("temperature", 1.0))
+    if not do_sample or temperature == 0:
+        return {"do_sample": False, "temperature": 0.0, "top_p": 1.0, "top_k": -1}
+    return {"do_sample": True, "temperature": temperature, "top_p": float(source.get("top_p", 1.0)),
+            "top_k": int(source.get("top_k", -1))}
+
+
+def assemble_output(prompts: DataProto, responses: torch.Tensor, eos_ids: list[int], pad_id: int,
+                    rollout_log_probs: torch.Tensor | None = None) -> DataProto:
+    """Build the standard rollout output from left-padded prompts and raw generated ids (B, T_r).
+
+    Tokens after the first EOS become ``pad_id``; positions continue from each prompt's last position."""
+    prompt_ids = prompts.batch[keys.INPUT_IDS]
+    prompt_mask = prompts.batch[keys.ATTENTION_MASK]
+    prompt_pos = prompts.batch[keys.POSITION_IDS]
+    response_mask = get_response_mask(responses, eos_ids, dtype=prompt_mask.dtype)
+    responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad_id))
+    steps = torch.arange(1, responses.shape[1] + 1, dtype=prompt_pos.dtype).unsqueeze(0)
+    tensors = {
+        keys.PROMPTS: prompt_ids,
+        keys.RESPONSES: responses,
+        keys.RESPONSE_MASK: response_mask,
+        keys.INPUT_IDS: torch.cat([prompt_ids, responses], dim=1),
+        keys.ATTENTION_MASK: torch.cat([prompt_mask, response_mask], dim=1),
+        keys.POSITION_IDS: torch.cat([prompt_pos, prompt_pos[:, -1:] + steps], dim=1),
+    }
+    if rollout_log_probs is not None:
+        tensors[keys.ROLLOUT_LOG_PROBS] = rollout_log_probs * response_mask
+    return DataProto.from_dict(tensors, meta_info={})
