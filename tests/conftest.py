@@ -25,3 +25,29 @@ def ray_session():
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny Qwen2-architecture model + tokenizer trained on the arithmetic task text (HF directory)."""
+    from hybridflow.models.tiny import build_tiny_model
+
+    return str(
+        build_tiny_model(
+            tmp_path_factory.mktemp("tiny_model") / "model",
+            hidden_size=64,
+            num_layers=2,
+            intermediate_size=128,
+        )
+    )
+
+
+@pytest.fixture(scope="session")
+def arithmetic_data(tmp_path_factory):
+    """Train/test parquet files of the built-in arithmetic task in verl's schema."""
+    from hybridflow.tasks.arithmetic import ArithmeticTaskConfig, write_rl_dataset
+
+    train, test = write_rl_dataset(
+        tmp_path_factory.mktemp("arithmetic"), ArithmeticTaskConfig(num_train=64, num_test=6)
+    )
+    return str(train), str(test)

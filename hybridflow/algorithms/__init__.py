@@ -34,8 +34,8 @@ from hybridflow.algorithms.policy_loss import (
     get_policy_loss_fn,
     register_policy_loss,
 )
-from hybridflow.algorithms.registry import Registry, RegistryError
 from hybridflow.algorithms.value_loss import compute_value_loss
+from hybridflow.utils.registry import Registry, RegistryError
 
 __all__ = [
     "ADV_ESTIMATORS",

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from hybridflow.algorithms.registry import Registry
+from hybridflow.utils.registry import Registry
 from hybridflow.utils.torch_functional import masked_whiten
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from hybridflow.algorithms.registry import Registry
+from hybridflow.utils.registry import Registry
 from hybridflow.utils.torch_functional import masked_mean
 
 KLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from hybridflow.algorithms.registry import Registry
+from hybridflow.utils.registry import Registry
 from hybridflow.utils.torch_functional import masked_mean
 
 AggFn = Callable[[torch.Tensor, torch.Tensor, float | None], torch.Tensor]

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from hybridflow.algorithms.loss_agg import agg_loss
-from hybridflow.algorithms.registry import Registry
+from hybridflow.utils.registry import Registry
 from hybridflow.utils.torch_functional import masked_mean
 
 LOG_RATIO_CLAMP = 20.0  # |log r| bound before exp, as verl: exp(20) ~ 5e8 cannot overflow fp16/bf16 losses

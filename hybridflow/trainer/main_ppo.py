@@ -31,8 +31,12 @@ def run_ppo(config: DictConfig, worker_groups=None) -> dict[str, float]:
     validate_config(config)
     torch.set_num_threads(1)  # the driver only moves batches and does light maths
     if not ray.is_initialized():
-        ray.init(address=config.ray_init.address, num_cpus=config.ray_init.num_cpus, include_dashboard=False,
-                 configure_logging=False)
+        ray.init(
+            address=config.ray_init.address,
+            num_cpus=config.ray_init.num_cpus,
+            include_dashboard=False,
+            configure_logging=False,
+        )
     trainer = build_trainer(config, worker_groups)
     try:
         trainer.init_workers()
@@ -48,19 +52,43 @@ def build_trainer(config: DictConfig, worker_groups=None):
     from hybridflow.utils.tracking import Tracking
     from hybridflow.workers.reward_manager import build_reward_manager
 
-    tokenizer = load_tokenizer(os.path.expanduser(config.data.tokenizer or config.actor_rollout_ref.model.path),
-                               custom_chat_template=config.actor_rollout_ref.model.custom_chat_template)
+    tokenizer = load_tokenizer(
+        os.path.expanduser(config.data.tokenizer or config.actor_rollout_ref.model.path),
+        custom_chat_template=config.actor_rollout_ref.model.custom_chat_template,
+    )
     train_loader, val_loader = build_dataloaders(config, tokenizer)
     max_resp_len = int(config.data.max_response_length)
-    reward_fn = build_reward_manager(config.reward_model, config.custom_reward_function, tokenizer, num_examine=0,
-                                     max_resp_len=max_resp_len)
-    val_reward_fn = build_reward_manager(config.reward_model, config.custom_reward_function, tokenizer,
-                                         num_examine=1, max_resp_len=max_resp_len)
-    tracker = Tracking(project_name=config.trainer.project_name, experiment_name=config.trainer.experiment_name,
-                       default_backend=list(config.trainer.logger),
-                       config=OmegaConf.to_container(config, resolve=True), log_dir=log_dir(config))
-    return RayPPOTrainer(config, tokenizer, train_loader, val_loader, reward_fn, val_reward_fn, tracker=tracker,
-                         worker_groups=worker_groups)
+    reward_fn = build_reward_manager(
+        config.reward_model,
+        config.custom_reward_function,
+        tokenizer,
+        num_examine=0,
+        max_resp_len=max_resp_len,
+    )
+    val_reward_fn = build_reward_manager(
+        config.reward_model,
+        config.custom_reward_function,
+        tokenizer,
+        num_examine=1,
+        max_resp_len=max_resp_len,
+    )
+    tracker = Tracking(
+        project_name=config.trainer.project_name,
+        experiment_name=config.trainer.experiment_name,
+        default_backend=list(config.trainer.logger),
+        config=OmegaConf.to_container(config, resolve=True),
+        log_dir=log_dir(config),
+    )
+    return RayPPOTrainer(
+        config,
+        tokenizer,
+        train_loader,
+        val_loader,
+        reward_fn,
+        val_reward_fn,
+        tracker=tracker,
+        worker_groups=worker_groups,
+    )
 
 
 def log_dir(config: DictConfig) -> str:
@@ -73,14 +101,27 @@ def build_dataloaders(config: DictConfig, tokenizer):
     data = config.data
     train = RLHFDataset(list(_as_list(data.train_files)), tokenizer, data)
     val = RLHFDataset(list(_as_list(data.val_files)), tokenizer, data)
-    train_loader = StatefulDataLoader(train, batch_size=int(data.train_batch_size), shuffle=bool(data.shuffle),
-                                      seed=int(data.seed), drop_last=True, collate_fn=collate_fn)
-    val_loader = StatefulDataLoader(val, batch_size=int(data.val_batch_size or len(val)),
-                                    shuffle=bool(data.validation_shuffle), seed=int(data.seed), drop_last=False,
-                                    collate_fn=collate_fn)
+    train_loader = StatefulDataLoader(
+        train,
+        batch_size=int(data.train_batch_size),
+        shuffle=bool(data.shuffle),
+        seed=int(data.seed),
+        drop_last=True,
+        collate_fn=collate_fn,
+    )
+    val_loader = StatefulDataLoader(
+        val,
+        batch_size=int(data.val_batch_size or len(val)),
+        shuffle=bool(data.validation_shuffle),
+        seed=int(data.seed),
+        drop_last=False,
+        collate_fn=collate_fn,
+    )
     if len(train_loader) == 0:
-        raise ValueError(f"data.train_files hold {len(train)} prompts, fewer than data.train_batch_size="
-                         f"{data.train_batch_size}")
+        raise ValueError(
+            f"data.train_files hold {len(train)} prompts, fewer than data.train_batch_size="
+            f"{data.train_batch_size}"
+        )
     return train_loader, val_loader
 
 

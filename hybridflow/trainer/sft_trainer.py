@@ -39,20 +39,41 @@ def run_sft(config: DictConfig) -> dict[str, float]:
     with open_dict(config):
         config.model.path = config.model.partial_pretrain or config.model.path
     tokenizer = load_tokenizer(os.path.expanduser(config.model.path))
-    dataset = SFTDataset(config.data.train_files, tokenizer, config.data.max_length, config.data.prompt_key,
-                         config.data.response_key, config.data.truncation)
-    loader = StatefulDataLoader(dataset, batch_size=int(config.data.train_batch_size),
-                                shuffle=bool(config.data.shuffle), seed=int(config.data.seed), drop_last=True,
-                                collate_fn=_stack)
+    dataset = SFTDataset(
+        config.data.train_files,
+        tokenizer,
+        config.data.max_length,
+        config.data.prompt_key,
+        config.data.response_key,
+        config.data.truncation,
+    )
+    loader = StatefulDataLoader(
+        dataset,
+        batch_size=int(config.data.train_batch_size),
+        shuffle=bool(config.data.shuffle),
+        seed=int(config.data.seed),
+        drop_last=True,
+        collate_fn=_stack,
+    )
     total_steps = int(config.trainer.total_training_steps or len(loader) * int(config.trainer.total_epochs))
     with open_dict(config):
         config.optim.total_training_steps = total_steps
     if not ray.is_initialized():
-        ray.init(address=config.ray_init.address, num_cpus=config.ray_init.num_cpus, include_dashboard=False,
-                 configure_logging=False)
-    wg = RayWorkerGroup(build_resource_pool(config.trainer), RayClassWithInitArgs(SFTWorker, config),
-                        name_prefix="sft", num_threads=int(config.trainer.num_threads_per_worker))
-    tracker = Tracking(config.trainer.project_name, config.trainer.experiment_name, list(config.trainer.logger))
+        ray.init(
+            address=config.ray_init.address,
+            num_cpus=config.ray_init.num_cpus,
+            include_dashboard=False,
+            configure_logging=False,
+        )
+    wg = RayWorkerGroup(
+        build_resource_pool(config.trainer),
+        RayClassWithInitArgs(SFTWorker, config),
+        name_prefix="sft",
+        num_threads=int(config.trainer.num_threads_per_worker),
+    )
+    tracker = Tracking(
+        config.trainer.project_name, config.trainer.experiment_name, list(config.trainer.logger)
+    )
     metrics: dict[str, float] = {}
     try:
         wg.init_model()

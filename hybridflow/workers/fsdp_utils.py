@@ -16,8 +16,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 
 
 def to_dtype(name: str | torch.dtype | None, default: torch.dtype = torch.float32) -> torch.dtype:
@@ -136,8 +142,13 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim_cfg) -> torch.opt
     if total <= 0:
         total = 1
     kind = optim_cfg.get("lr_scheduler_type") or optim_cfg.get("warmup_style", "constant")
-    fn = lr_lambda(kind, warmup_steps(optim_cfg, total), total,
-                   float(optim_cfg.get("min_lr_ratio", 0.0) or 0.0), float(optim_cfg.get("num_cycles", 0.5)))
+    fn = lr_lambda(
+        kind,
+        warmup_steps(optim_cfg, total),
+        total,
+        float(optim_cfg.get("min_lr_ratio", 0.0) or 0.0),
+        float(optim_cfg.get("num_cycles", 0.5)),
+    )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
 
 

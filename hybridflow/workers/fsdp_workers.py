@@ -53,8 +53,13 @@ def _memory_metrics() -> dict[str, float]:
 def _checkpoint_manager(parts, tokenizer, contents):
     from hybridflow.utils.checkpoint import FSDPCheckpointManager
 
-    return FSDPCheckpointManager(parts.module, parts.optimizer, parts.lr_scheduler, processing_class=tokenizer,
-                                 checkpoint_contents=tuple(contents))
+    return FSDPCheckpointManager(
+        parts.module,
+        parts.optimizer,
+        parts.lr_scheduler,
+        processing_class=tokenizer,
+        checkpoint_contents=tuple(contents),
+    )
 
 
 class FSDPWorkerBase(Worker):
@@ -99,30 +104,40 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
                 cfg.actor.ppo_mini_batch_size = _per_rank(responses, world, "ppo_mini_batch_size x rollout.n")
                 if cfg.actor.get("ppo_micro_batch_size"):
                     cfg.actor.ppo_micro_batch_size_per_gpu = _per_rank(
-                        int(cfg.actor.ppo_micro_batch_size), world, "actor.ppo_micro_batch_size")
+                        int(cfg.actor.ppo_micro_batch_size), world, "actor.ppo_micro_batch_size"
+                    )
             for section in ("ref", "rollout"):
                 if cfg[section].get("log_prob_micro_batch_size"):
                     cfg[section].log_prob_micro_batch_size_per_gpu = _per_rank(
-                        int(cfg[section].log_prob_micro_batch_size), world, f"{section}.log_prob_micro_batch_size")
+                        int(cfg[section].log_prob_micro_batch_size),
+                        world,
+                        f"{section}.log_prob_micro_batch_size",
+                    )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         from hybridflow.models.loading import get_generation_eos_ids, load_tokenizer
 
         cfg = self.config
-        self.tokenizer = load_tokenizer(resolve_local_path(cfg.model.path),
-                                        trust_remote_code=cfg.model.get("trust_remote_code", False),
-                                        custom_chat_template=cfg.model.get("custom_chat_template"))
+        self.tokenizer = load_tokenizer(
+            resolve_local_path(cfg.model.path),
+            trust_remote_code=cfg.model.get("trust_remote_code", False),
+            custom_chat_template=cfg.model.get("custom_chat_template"),
+        )
         self.eos_token_ids = get_generation_eos_ids(resolve_local_path(cfg.model.path))
         if self._is_actor:
-            self.actor_parts = build_training_parts(cfg.model, cfg.actor.fsdp_config, cfg.actor.optim,
-                                                    self.device_mesh)
+            self.actor_parts = build_training_parts(
+                cfg.model, cfg.actor.fsdp_config, cfg.actor.optim, self.device_mesh
+            )
             self.actor_module = self.actor_parts.module
             self.actor = DataParallelPPOActor(cfg.actor, self.actor_module, self.actor_parts.optimizer)
-            self.checkpoint_manager = _checkpoint_manager(self.actor_parts, self.tokenizer,
-                                                          cfg.actor.checkpoint.save_contents)
+            self.checkpoint_manager = _checkpoint_manager(
+                self.actor_parts, self.tokenizer, cfg.actor.checkpoint.save_contents
+            )
         elif self._is_rollout:
-            self.actor_module = build_fsdp_module(cfg.model, cfg.actor.fsdp_config, self.device_mesh, trainable=False)
+            self.actor_module = build_fsdp_module(
+                cfg.model, cfg.actor.fsdp_config, self.device_mesh, trainable=False
+            )
         if self._is_rollout:
             self.rollout = get_rollout_cls(cfg.rollout.name)(self.actor_module, cfg.rollout, rank=self.rank)
         if self._is_ref:
@@ -137,7 +152,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         prompts.meta_info.setdefault("pad_token_id", self.tokenizer.pad_token_id)
         start = time.perf_counter()
         output = self.rollout.generate_sequences(prompts)
-        output.meta_info["metrics"] = {"timing_s/generate_sequences": time.perf_counter() - start}
+        output.meta_info["metrics"] = {"generate_sequences": time.perf_counter() - start}
         return output
 
     # ------------------------------------------------------------------ log-probs
@@ -147,10 +162,16 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
         rollout_cfg = self.config.rollout
         log_probs, entropy = self.actor.compute_log_prob(
-            data, rollout_cfg.log_prob_micro_batch_size_per_gpu, rollout_cfg.log_prob_use_dynamic_bsz,
-            rollout_cfg.log_prob_max_token_len_per_gpu, calculate_entropy=True)
-        return DataProto.from_dict({keys.OLD_LOG_PROBS: log_probs, "entropys": entropy},
-                                   meta_info={"temperature": data.meta_info["temperature"]})
+            data,
+            rollout_cfg.log_prob_micro_batch_size_per_gpu,
+            rollout_cfg.log_prob_use_dynamic_bsz,
+            rollout_cfg.log_prob_max_token_len_per_gpu,
+            calculate_entropy=True,
+        )
+        return DataProto.from_dict(
+            {keys.OLD_LOG_PROBS: log_probs, "entropys": entropy},
+            meta_info={"temperature": data.meta_info["temperature"]},
+        )
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
@@ -158,8 +179,11 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
         ref_cfg = self.config.ref
         log_probs, _ = self.ref_policy.compute_log_prob(
-            data, ref_cfg.log_prob_micro_batch_size_per_gpu, ref_cfg.log_prob_use_dynamic_bsz,
-            ref_cfg.log_prob_max_token_len_per_gpu)
+            data,
+            ref_cfg.log_prob_micro_batch_size_per_gpu,
+            ref_cfg.log_prob_use_dynamic_bsz,
+            ref_cfg.log_prob_max_token_len_per_gpu,
+        )
         return DataProto.from_dict({keys.REF_LOG_PROB: log_probs})
 
     # ------------------------------------------------------------------ training
@@ -171,12 +195,15 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         lr = self.actor_parts.lr_scheduler.get_last_lr()[0]
         metrics = _mean_metrics(self.actor.update_policy(data))
         self.actor_parts.lr_scheduler.step()
-        metrics.update({"actor/lr": lr, "timing_s/update_actor_worker": time.perf_counter() - start,
-                        **_memory_metrics()})
+        metrics.update(
+            {"actor/lr": lr, "timing_s/update_actor_worker": time.perf_counter() - start, **_memory_metrics()}
+        )
         return DataProto(meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
+    def save_checkpoint(
+        self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None
+    ) -> None:
         self._save(local_path, global_step, max_ckpt_to_keep)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -195,8 +222,9 @@ class CriticWorker(FSDPWorkerBase):
             responses = int(cfg.ppo_mini_batch_size) * int(rollout_n or cfg.get("rollout_n", 1))
             cfg.ppo_mini_batch_size = _per_rank(responses, world, "critic.ppo_mini_batch_size x rollout.n")
             if cfg.get("ppo_micro_batch_size"):
-                cfg.ppo_micro_batch_size_per_gpu = _per_rank(int(cfg.ppo_micro_batch_size), world,
-                                                             "critic.ppo_micro_batch_size")
+                cfg.ppo_micro_batch_size_per_gpu = _per_rank(
+                    int(cfg.ppo_micro_batch_size), world, "critic.ppo_micro_batch_size"
+                )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -204,10 +232,13 @@ class CriticWorker(FSDPWorkerBase):
 
         cfg = self.config
         self.tokenizer = load_tokenizer(resolve_local_path(cfg.model.tokenizer_path))
-        self.critic_parts = build_training_parts(cfg.model, cfg.model.fsdp_config, cfg.optim, self.device_mesh,
-                                                 kind="token_value")
+        self.critic_parts = build_training_parts(
+            cfg.model, cfg.model.fsdp_config, cfg.optim, self.device_mesh, kind="token_value"
+        )
         self.critic = DataParallelPPOCritic(cfg, self.critic_parts.module, self.critic_parts.optimizer)
-        self.checkpoint_manager = _checkpoint_manager(self.critic_parts, self.tokenizer, cfg.checkpoint.save_contents)
+        self.checkpoint_manager = _checkpoint_manager(
+            self.critic_parts, self.tokenizer, cfg.checkpoint.save_contents
+        )
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
@@ -223,7 +254,9 @@ class CriticWorker(FSDPWorkerBase):
         return DataProto(meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
+    def save_checkpoint(
+        self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None
+    ) -> None:
         self._save(local_path, global_step, max_ckpt_to_keep)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

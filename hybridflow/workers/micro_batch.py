@@ -24,7 +24,10 @@ def _agreed_count(local: int) -> int:
 
 
 def split_micro_batches(
-    data: DataProto, micro_batch_size: int | None, use_dynamic_bsz: bool = False, max_token_len: int | None = None
+    data: DataProto,
+    micro_batch_size: int | None,
+    use_dynamic_bsz: bool = False,
+    max_token_len: int | None = None,
 ) -> tuple[list[DataProto], list[int] | None]:
     """Split ``data`` into micro-batches.
 

@@ -60,7 +60,9 @@ def load_hf_model(model_cfg, kind: str, dtype: torch.dtype, seed: int = 0) -> nn
 
     path = resolve_local_path(model_cfg.path)
     import_external_lib(model_cfg.get("external_lib"))
-    config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.get("trust_remote_code", False))
+    config = transformers.AutoConfig.from_pretrained(
+        path, trust_remote_code=model_cfg.get("trust_remote_code", False)
+    )
     for key, value in (model_cfg.get("override_config") or {}).items():
         setattr(config, key, value)
     extra = {"num_labels": 1} if kind != "causal_lm" else {}
@@ -72,8 +74,9 @@ def load_hf_model(model_cfg, kind: str, dtype: torch.dtype, seed: int = 0) -> nn
     if kind != "causal_lm":  # the new head is expected to be missing from an LM checkpoint: no load report
         transformers.logging.set_verbosity_error()
     try:
-        model = auto_cls.from_pretrained(path, config=config, dtype=dtype,
-                                         trust_remote_code=model_cfg.get("trust_remote_code", False))
+        model = auto_cls.from_pretrained(
+            path, config=config, dtype=dtype, trust_remote_code=model_cfg.get("trust_remote_code", False)
+        )
     finally:
         transformers.logging.set_verbosity(verbosity)
     if kind == "sequence_score" and getattr(model.config, "pad_token_id", None) is None:
@@ -81,7 +84,9 @@ def load_hf_model(model_cfg, kind: str, dtype: torch.dtype, seed: int = 0) -> nn
     return model
 
 
-def build_fsdp_module(model_cfg, fsdp_cfg, mesh, kind: str = "causal_lm", trainable: bool = True) -> nn.Module:
+def build_fsdp_module(
+    model_cfg, fsdp_cfg, mesh, kind: str = "causal_lm", trainable: bool = True
+) -> nn.Module:
     """Load and shard one model; frozen (no grad) unless ``trainable``."""
     dtype = to_dtype(fsdp_cfg.get("model_dtype", "fp32"))
     model = load_hf_model(model_cfg, kind, dtype)

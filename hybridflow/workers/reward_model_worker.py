@@ -33,11 +33,14 @@ class RewardModelWorker(FSDPWorkerBase):
 
         cfg = self.config
         rm_path = resolve_local_path(cfg.model.path)
-        self.module = build_fsdp_module(cfg.model, cfg.model.fsdp_config, self.device_mesh, kind="sequence_score",
-                                        trainable=False)
+        self.module = build_fsdp_module(
+            cfg.model, cfg.model.fsdp_config, self.device_mesh, kind="sequence_score", trainable=False
+        )
         self.rm_tokenizer = load_tokenizer(rm_path)
         input_path = cfg.model.get("input_tokenizer")
-        same = input_path is None or os.path.realpath(os.path.expanduser(input_path)) == os.path.realpath(rm_path)
+        same = input_path is None or os.path.realpath(os.path.expanduser(input_path)) == os.path.realpath(
+            rm_path
+        )
         self.input_tokenizer = None if same else load_tokenizer(resolve_local_path(input_path))
 
     @torch.no_grad()
@@ -55,8 +58,12 @@ class RewardModelWorker(FSDPWorkerBase):
         return DataProto.from_dict({"rm_scores": rm_scores})
 
     def _score(self, micro: DataProto) -> torch.Tensor:
-        output = self.module(input_ids=micro.batch[keys.INPUT_IDS], attention_mask=micro.batch[keys.ATTENTION_MASK],
-                             position_ids=micro.batch[keys.POSITION_IDS], use_cache=False)
+        output = self.module(
+            input_ids=micro.batch[keys.INPUT_IDS],
+            attention_mask=micro.batch[keys.ATTENTION_MASK],
+            position_ids=micro.batch[keys.POSITION_IDS],
+            use_cache=False,
+        )
         return output.logits[:, 0].float()
 
     def _rm_inputs(self, data: DataProto) -> DataProto:
@@ -73,4 +80,6 @@ class RewardModelWorker(FSDPWorkerBase):
         input_ids = torch.stack([F.pad(e, (0, width - len(e)), value=pad) for e in encoded])
         mask = torch.stack([F.pad(torch.ones_like(e), (0, width - len(e))) for e in encoded])
         positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
-        return DataProto.from_dict({keys.INPUT_IDS: input_ids, keys.ATTENTION_MASK: mask, keys.POSITION_IDS: positions})
+        return DataProto.from_dict(
+            {keys.INPUT_IDS: input_ids, keys.ATTENTION_MASK: mask, keys.POSITION_IDS: positions}
+        )

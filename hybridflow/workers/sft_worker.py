@@ -21,8 +21,16 @@ from hybridflow.workers.model_builder import build_training_parts, load_hf_model
 def sft_loss(model, micro: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum of token losses, number of loss tokens)`` for next-token prediction on ``loss_mask``."""
     batch = micro.batch
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"], use_cache=False).logits[:, :-1].float()
+    logits = (
+        model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
+            use_cache=False,
+        )
+        .logits[:, :-1]
+        .float()
+    )
     targets = batch["input_ids"][:, 1:]
     mask = batch["loss_mask"][:, 1:].float()
     losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
@@ -43,7 +51,7 @@ class SFTWorker(FSDPWorkerBase):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def train_step(self, data: DataProto) -> DataProto:
-        """One optimizer step on this rank's shard; returns ``train/loss``, ``train/lr``, ``train/grad_norm``."""
+        """One optimizer step on this rank's shard; returns train/loss, train/lr, train/grad_norm."""
         model, optimizer = self.parts.module, self.parts.optimizer
         model.train()
         micros = data.split(int(self.config.data.micro_batch_size_per_gpu))
@@ -60,7 +68,11 @@ class SFTWorker(FSDPWorkerBase):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self.parts.lr_scheduler.step()
-        metrics = {"train/loss": loss_sum / float(total_tokens), "train/lr": lr, "train/grad_norm": float(grad_norm)}
+        metrics = {
+            "train/loss": loss_sum / float(total_tokens),
+            "train/lr": lr,
+            "train/grad_norm": float(grad_norm),
+        }
         return DataProto(meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

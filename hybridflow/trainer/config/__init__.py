@@ -16,8 +16,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 CONFIG_DIR = Path(__file__).parent  # the YAML files live beside this module
 
 # Sections whose content is free-form (passed through to a model config, an engine, a manager).
-FREE_FORM_KEYS = frozenset({"override_config", "engine_kwargs", "reward_kwargs", "mixed_precision", "wrap_policy",
-                            "custom_cls"})
+FREE_FORM_KEYS = frozenset(
+    {"override_config", "engine_kwargs", "reward_kwargs", "mixed_precision", "wrap_policy", "custom_cls"}
+)
 
 
 class ConfigError(ValueError):
@@ -28,8 +29,11 @@ def load_schema() -> DictConfig:
     return OmegaConf.load(CONFIG_DIR / "ppo_trainer.yaml")
 
 
-def load_config(overrides: list[str] | None = None, config_name: str = "ppo_trainer",
-                config_dir: str | os.PathLike | None = None) -> DictConfig:
+def load_config(
+    overrides: list[str] | None = None,
+    config_name: str = "ppo_trainer",
+    config_dir: str | os.PathLike | None = None,
+) -> DictConfig:
     """Compose the config exactly as ``main_ppo`` does (Hydra), with verl-style ``key=value``
     overrides; an override of a key that does not exist is a :class:`ConfigError`."""
     from hydra import compose, initialize_config_dir
@@ -49,14 +53,20 @@ def unknown_keys(config: DictConfig, schema: DictConfig, prefix: str = "") -> li
         path = f"{prefix}{key}"
         if key not in schema:
             found.append(path)
-        elif key not in FREE_FORM_KEYS and isinstance(config[key], DictConfig) and isinstance(schema[key], DictConfig):
+        elif (
+            key not in FREE_FORM_KEYS
+            and isinstance(config[key], DictConfig)
+            and isinstance(schema[key], DictConfig)
+        ):
             found.extend(unknown_keys(config[key], schema[key], f"{path}."))
     return found
 
 
 def validate_config(config: DictConfig) -> None:
     """Raise :class:`ConfigError` listing every problem found."""
-    problems = [f"unknown config key {k!r} (not in ppo_trainer.yaml)" for k in unknown_keys(config, load_schema())]
+    problems = [
+        f"unknown config key {k!r} (not in ppo_trainer.yaml)" for k in unknown_keys(config, load_schema())
+    ]
     for check in (_check_files, _check_batch_sizes, _check_names, _check_device, _check_unsupported):
         problems.extend(check(config))
     if problems:
@@ -78,7 +88,9 @@ def _check_files(config: DictConfig) -> list[str]:
     model_path = os.path.expanduser(str(config.actor_rollout_ref.model.path))
     if not os.path.isdir(model_path):
         problems.append(f"actor_rollout_ref.model.path: {model_path!r} is not a local model directory")
-    if config.custom_reward_function.path and not os.path.isfile(os.path.expanduser(config.custom_reward_function.path)):
+    if config.custom_reward_function.path and not os.path.isfile(
+        os.path.expanduser(config.custom_reward_function.path)
+    ):
         problems.append(f"custom_reward_function.path: {config.custom_reward_function.path!r} does not exist")
     return problems
 
@@ -95,8 +107,13 @@ def _check_batch_sizes(config: DictConfig) -> list[str]:
     train_bsz = int(config.data.train_batch_size)
     actor = config.actor_rollout_ref.actor
     _divides(problems, "data.train_batch_size x rollout.n", train_bsz * n, workers, "worker processes")
-    _divides(problems, "data.train_batch_size", train_bsz, int(actor.ppo_mini_batch_size),
-             "actor.ppo_mini_batch_size")
+    _divides(
+        problems,
+        "data.train_batch_size",
+        train_bsz,
+        int(actor.ppo_mini_batch_size),
+        "actor.ppo_mini_batch_size",
+    )
     sections = [("actor_rollout_ref.actor", actor)]
     from hybridflow.trainer.ppo.ray_trainer import need_critic
 
@@ -107,8 +124,13 @@ def _check_batch_sizes(config: DictConfig) -> list[str]:
         _divides(problems, f"{name}.ppo_mini_batch_size x rollout.n", responses, workers, "worker processes")
         micro = section.get("ppo_micro_batch_size_per_gpu")
         if not section.use_dynamic_bsz and micro and responses % workers == 0:
-            _divides(problems, f"{name} mini-batch per worker", responses // workers, int(micro),
-                     f"{name}.ppo_micro_batch_size_per_gpu")
+            _divides(
+                problems,
+                f"{name} mini-batch per worker",
+                responses // workers,
+                int(micro),
+                f"{name}.ppo_micro_batch_size_per_gpu",
+            )
     return problems
 
 
@@ -137,12 +159,16 @@ def _check_plugin_names(config: DictConfig) -> list[str]:
 
     problems = []
     if config.actor_rollout_ref.rollout.name not in ROLLOUTS:
-        problems.append(f"rollout.name={config.actor_rollout_ref.rollout.name!r} is not registered; "
-                        f"registered: {', '.join(ROLLOUTS.names())}")
+        problems.append(
+            f"rollout.name={config.actor_rollout_ref.rollout.name!r} is not registered; "
+            f"registered: {', '.join(ROLLOUTS.names())}"
+        )
     manager = config.reward_model.reward_manager
     if manager not in REWARD_MANAGERS:
-        problems.append(f"reward_model.reward_manager={manager!r} is not registered; "
-                        f"registered: {', '.join(sorted(REWARD_MANAGERS))}")
+        problems.append(
+            f"reward_model.reward_manager={manager!r} is not registered; "
+            f"registered: {', '.join(REWARD_MANAGERS.names())}"
+        )
     return problems
 
 
@@ -161,7 +187,9 @@ def _check_device(config: DictConfig) -> list[str]:
 def _check_unsupported(config: DictConfig) -> list[str]:
     problems = []
     if int(config.actor_rollout_ref.actor.ulysses_sequence_parallel_size) != 1:
-        problems.append("actor.ulysses_sequence_parallel_size must be 1 (sequence parallelism is not implemented)")
+        problems.append(
+            "actor.ulysses_sequence_parallel_size must be 1 (sequence parallelism is not implemented)"
+        )
     if config.actor_rollout_ref.rollout.multi_turn.enable:
         problems.append("rollout.multi_turn.enable=true is not implemented yet")
     if int(config.actor_rollout_ref.model.lora_rank) > 0:

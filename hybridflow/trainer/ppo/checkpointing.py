@@ -35,8 +35,11 @@ class TrainerCheckpointer:
         trainer.wg.actor_rollout.save_checkpoint(os.path.join(step_dir, "actor"), step, None)
         if trainer.wg.critic is not None:
             trainer.wg.critic.save_checkpoint(os.path.join(step_dir, "critic"), step, None)
-        state = {"dataloader": trainer.train_dataloader.state_dict(), "global_steps": step,
-                 "kl_coef": trainer.kl_ctrl.value}
+        state = {
+            "dataloader": trainer.train_dataloader.state_dict(),
+            "global_steps": step,
+            "kl_coef": trainer.kl_ctrl.value,
+        }
         atomic_torch_save(state, os.path.join(step_dir, "data.pt"))
         write_latest_checkpointed_iteration(self.root, step)
         if keep:
@@ -50,8 +53,9 @@ class TrainerCheckpointer:
         if mode == "resume_path":
             path = self.cfg.get("resume_from_path")
             if not path or not os.path.isdir(os.path.expanduser(path)):
-                raise FileNotFoundError(f"trainer.resume_mode=resume_path but resume_from_path={path!r} is not a "
-                                        "directory")
+                raise FileNotFoundError(
+                    f"trainer.resume_mode=resume_path but resume_from_path={path!r} is not a directory"
+                )
             return os.path.expanduser(path)
         if mode != "auto":
             raise ValueError(f"trainer.resume_mode must be auto, disable or resume_path, not {mode!r}")

@@ -37,7 +37,9 @@ class GroupFilter:
         self.metric = cfg.metric or "acc"
         self.max_num_gen_batches = int(cfg.max_num_gen_batches)
 
-    def fill(self, batch: DataProto, more: Callable[[], DataProto], num_prompts: int, metrics: dict) -> DataProto:
+    def fill(
+        self, batch: DataProto, more: Callable[[], DataProto], num_prompts: int, metrics: dict
+    ) -> DataProto:
         """Filter ``batch``; call ``more()`` for new scored batches until ``num_prompts`` groups remain."""
         n_rows_per_prompt = len(batch) // len(set(batch.non_tensor_batch[keys.UID]))
         kept: list[DataProto] = []
@@ -50,9 +52,10 @@ class GroupFilter:
                 break
             if 0 < self.max_num_gen_batches <= generated:
                 raise RuntimeError(
-                    f"DAPO dynamic sampling: only {total // n_rows_per_prompt} of {num_prompts} prompt groups had "
-                    f"non-zero {self.metric!r} std after {generated} generation batches; raise "
-                    "algorithm.filter_groups.max_num_gen_batches or check the reward function")
+                    f"DAPO dynamic sampling: only {total // n_rows_per_prompt} of {num_prompts} prompt "
+                    f"groups had non-zero {self.metric!r} std after {generated} generation batches; raise "
+                    "algorithm.filter_groups.max_num_gen_batches or check the reward function"
+                )
             batch = more()
         metrics["train/num_gen_batches"] = generated
         merged = DataProto.concat([k.select(meta_info_keys=[]) for k in kept])

@@ -4,7 +4,8 @@ The driver holds no model. It moves ``DataProto`` batches between worker groups 
 actor/rollout/reference group, the critic, the optional reward model — and runs the cheap maths
 (rewards from rule functions, advantages, KL control) itself::
 
-    prompts ─ generate ─ reward ─ old_log_prob ─ ref_log_prob ─ values ─ advantage ─ update_critic ─ update_actor
+    prompts ─ generate ─ reward ─ old_log_prob ─ ref_log_prob ─ values ─ advantage
+            ─ update_critic ─ update_actor
 
 Each phase is a method taking and returning a DataProto, timed as ``timing_s/<phase>``.
 """
@@ -18,7 +19,12 @@ import torch
 from omegaconf import DictConfig
 
 from hybridflow import keys
-from hybridflow.algorithms import AdvantageInputs, apply_kl_penalty_to_rewards, compute_advantage, get_kl_controller
+from hybridflow.algorithms import (
+    AdvantageInputs,
+    apply_kl_penalty_to_rewards,
+    compute_advantage,
+    get_kl_controller,
+)
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.ppo import metric_utils
 from hybridflow.trainer.ppo.checkpointing import TrainerCheckpointer
@@ -45,8 +51,17 @@ def need_reference(config: DictConfig) -> bool:
 class RayPPOTrainer:
     """Drives PPO-family training over Ray worker groups. ``config`` is the resolved full tree."""
 
-    def __init__(self, config: DictConfig, tokenizer, train_dataloader, val_dataloader, reward_fn, val_reward_fn,
-                 tracker=None, worker_groups: WorkerGroups | None = None) -> None:
+    def __init__(
+        self,
+        config: DictConfig,
+        tokenizer,
+        train_dataloader,
+        val_dataloader,
+        reward_fn,
+        val_reward_fn,
+        tracker=None,
+        worker_groups: WorkerGroups | None = None,
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.train_dataloader = train_dataloader
@@ -57,8 +72,9 @@ class RayPPOTrainer:
         self.use_critic = need_critic(config)
         self.use_reference = need_reference(config)
         self.kl_ctrl = get_kl_controller(**_kl_ctrl_kwargs(config.algorithm.kl_ctrl))
-        self.group_filter = GroupFilter(config.algorithm.filter_groups) if config.algorithm.filter_groups.enable \
-            else None
+        self.group_filter = (
+            GroupFilter(config.algorithm.filter_groups) if config.algorithm.filter_groups.enable else None
+        )
         self.total_training_steps = total_training_steps(config, len(train_dataloader))
         self.global_steps = 0
         self.wg = worker_groups
@@ -81,8 +97,13 @@ class RayPPOTrainer:
             self._log(self.validate(), step=0)
             if self.config.trainer.val_only:
                 return {}
-        progress = tqdm(total=self.total_training_steps, initial=self.global_steps, desc="training",
-                        disable=not self.config.trainer.get("progress_bar", True), dynamic_ncols=True)
+        progress = tqdm(
+            total=self.total_training_steps,
+            initial=self.global_steps,
+            desc="training",
+            disable=not self.config.trainer.get("progress_bar", True),
+            dynamic_ncols=True,
+        )
         metrics: dict[str, float] = {}
         data_iter = self._batches()
         while self.global_steps < self.total_training_steps:
@@ -139,17 +160,25 @@ class RayPPOTrainer:
         batch = self.compute_reward(batch, metrics, timing)
         if self.group_filter is None:
             return batch
-        return self.group_filter.fill(batch, lambda: self.compute_reward(self.generate(next(data_iter), timing),
-                                                                         metrics, timing),
-                                      self.config.data.train_batch_size, metrics)
+        return self.group_filter.fill(
+            batch,
+            lambda: self.compute_reward(self.generate(next(data_iter), timing), metrics, timing),
+            self.config.data.train_batch_size,
+            metrics,
+        )
 
     def generate(self, prompts: DataProto, timing: dict) -> DataProto:
         """Prompts (B) → B x n rows of prompt + response; rows of one prompt share a ``uid``."""
         n = int(self.config.actor_rollout_ref.rollout.n)
-        prompts.non_tensor_batch[keys.UID] = np.array([str(uuid.uuid4()) for _ in range(len(prompts))], dtype=object)
+        prompts.non_tensor_batch[keys.UID] = np.array(
+            [str(uuid.uuid4()) for _ in range(len(prompts))], dtype=object
+        )
         prompts = prompts.repeat(n, interleave=True)
-        gen_input = prompts.select(batch_keys=[keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS],
-                                   non_tensor_batch_keys=[], meta_info_keys=[])
+        gen_input = prompts.select(
+            batch_keys=[keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS],
+            non_tensor_batch_keys=[],
+            meta_info_keys=[],
+        )
         gen_input.meta_info = {"global_steps": self.global_steps, "do_sample": True}
         output = self.wg.actor_rollout.generate_sequences(gen_input)
         timing.update({k: sum(v) / len(v) for k, v in output.meta_info.pop("metrics", {}).items()})
@@ -194,17 +223,30 @@ class RayPPOTrainer:
         scores = batch.batch[keys.TOKEN_LEVEL_SCORES]
         if algo.use_kl_in_reward:
             rewards, current_kl = apply_kl_penalty_to_rewards(
-                scores, batch.batch[keys.OLD_LOG_PROBS], batch.batch[keys.REF_LOG_PROB], response_mask,
-                self.kl_ctrl.value, algo.kl_penalty)
-            metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": self.kl_ctrl.value})
+                scores,
+                batch.batch[keys.OLD_LOG_PROBS],
+                batch.batch[keys.REF_LOG_PROB],
+                response_mask,
+                self.kl_ctrl.value,
+                algo.kl_penalty,
+            )
+            metrics.update(
+                {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": self.kl_ctrl.value}
+            )
             self.kl_ctrl.update(current_kl, n_steps=len(batch))
         else:
             rewards = scores
         batch.batch[keys.TOKEN_LEVEL_REWARDS] = rewards
         inputs = AdvantageInputs(
-            token_level_rewards=rewards, response_mask=response_mask, index=batch.non_tensor_batch[keys.UID],
-            values=batch.batch.get(keys.VALUES, None), reward_baselines=batch.batch.get("reward_baselines", None),
-            gamma=float(algo.gamma), lam=float(algo.lam), norm_adv_by_std_in_grpo=bool(algo.norm_adv_by_std_in_grpo))
+            token_level_rewards=rewards,
+            response_mask=response_mask,
+            index=batch.non_tensor_batch[keys.UID],
+            values=batch.batch.get(keys.VALUES, None),
+            reward_baselines=batch.batch.get("reward_baselines", None),
+            gamma=float(algo.gamma),
+            lam=float(algo.lam),
+            norm_adv_by_std_in_grpo=bool(algo.norm_adv_by_std_in_grpo),
+        )
         advantages, returns = compute_advantage(algo.adv_estimator, inputs)
         batch.batch[keys.ADVANTAGES] = advantages
         batch.batch[keys.RETURNS] = returns
@@ -252,8 +294,12 @@ def _object_array(values) -> np.ndarray:
 
 
 def _kl_ctrl_kwargs(kl_ctrl) -> dict:
-    return {"kl_ctrl_type": kl_ctrl.type, "kl_coef": float(kl_ctrl.kl_coef), "target_kl": float(kl_ctrl.target_kl),
-            "horizon": int(kl_ctrl.horizon)}
+    return {
+        "kl_ctrl_type": kl_ctrl.type,
+        "kl_coef": float(kl_ctrl.kl_coef),
+        "target_kl": float(kl_ctrl.target_kl),
+        "horizon": int(kl_ctrl.horizon),
+    }
 
 
 def total_training_steps(config: DictConfig, batches_per_epoch: int) -> int:

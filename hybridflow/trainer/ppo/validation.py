@@ -19,12 +19,20 @@ def run_validation(trainer) -> dict[str, float]:
     sources, uids, infos = [], [], {"reward": []}
     for batch_dict in trainer.val_dataloader:
         batch = DataProto.from_single_dict(batch_dict)
-        batch.non_tensor_batch[keys.UID] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
+        batch.non_tensor_batch[keys.UID] = np.array(
+            [str(uuid.uuid4()) for _ in range(len(batch))], dtype=object
+        )
         batch = batch.repeat(n, interleave=True)
-        gen_input = batch.select(batch_keys=[keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS],
-                                 non_tensor_batch_keys=[], meta_info_keys=[])
-        gen_input.meta_info = {"validate": True, "global_steps": trainer.global_steps,
-                               "do_sample": bool(trainer.config.actor_rollout_ref.rollout.val_kwargs.do_sample)}
+        gen_input = batch.select(
+            batch_keys=[keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS],
+            non_tensor_batch_keys=[],
+            meta_info_keys=[],
+        )
+        gen_input.meta_info = {
+            "validate": True,
+            "global_steps": trainer.global_steps,
+            "do_sample": bool(trainer.config.actor_rollout_ref.rollout.val_kwargs.do_sample),
+        }
         gen_input.meta_info["_auto_padding"] = True  # the validation set need not divide the workers
         output = trainer.wg.actor_rollout.generate_sequences(gen_input)
         output.meta_info.pop("metrics", None)
@@ -35,8 +43,11 @@ def run_validation(trainer) -> dict[str, float]:
         for key, values in result.get("reward_extra_info", {}).items():
             if len(values) == len(batch):
                 infos.setdefault(key, []).extend(values)
-        sources.extend(batch.non_tensor_batch.get(trainer.config.data.reward_fn_key,
-                                                  np.array(["unknown"] * len(batch), dtype=object)).tolist())
+        sources.extend(
+            batch.non_tensor_batch.get(
+                trainer.config.data.reward_fn_key, np.array(["unknown"] * len(batch), dtype=object)
+            ).tolist()
+        )
         uids.extend(batch.non_tensor_batch[keys.UID].tolist())
     infos = {k: v for k, v in infos.items() if len(v) == len(sources)}
     return metric_utils.process_validation_metrics(sources, uids, infos)

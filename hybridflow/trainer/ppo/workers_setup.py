@@ -73,18 +73,27 @@ def build_resource_pool(trainer_cfg: DictConfig) -> RayResourcePool:
 def build_worker_groups(config: DictConfig, use_critic: bool, use_reference: bool) -> WorkerGroups:
     from hybridflow.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
-    class_dict = {"actor_rollout": RayClassWithInitArgs(ActorRolloutRefWorker, config.actor_rollout_ref,
-                                                        role=actor_role(use_reference))}
+    class_dict = {
+        "actor_rollout": RayClassWithInitArgs(
+            ActorRolloutRefWorker, config.actor_rollout_ref, role=actor_role(use_reference)
+        )
+    }
     if use_critic:
-        class_dict["critic"] = RayClassWithInitArgs(CriticWorker, config.critic,
-                                                    rollout_n=int(config.actor_rollout_ref.rollout.n))
+        class_dict["critic"] = RayClassWithInitArgs(
+            CriticWorker, config.critic, rollout_n=int(config.actor_rollout_ref.rollout.n)
+        )
     if config.reward_model.enable:
         from hybridflow.workers.reward_model_worker import RewardModelWorker
 
         class_dict["rm"] = RayClassWithInitArgs(RewardModelWorker, config.reward_model)
     env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
-    base = RayWorkerGroup(build_resource_pool(config.trainer), create_colocated_worker_cls(class_dict),
-                          name_prefix="hybridflow", num_threads=int(config.trainer.num_threads_per_worker), env=env)
+    base = RayWorkerGroup(
+        build_resource_pool(config.trainer),
+        create_colocated_worker_cls(class_dict),
+        name_prefix="hybridflow",
+        num_threads=int(config.trainer.num_threads_per_worker),
+        env=env,
+    )
     groups = base.spawn(class_dict.keys())
     return WorkerGroups(
         actor_rollout=groups["actor_rollout"],
@@ -102,7 +111,9 @@ def _flops_counter(config: DictConfig):
 
     from hybridflow.utils.flops_counter import FlopsCounter, default_peak_flops
 
-    model_config = transformers.AutoConfig.from_pretrained(os.path.expanduser(config.actor_rollout_ref.model.path))
+    model_config = transformers.AutoConfig.from_pretrained(
+        os.path.expanduser(config.actor_rollout_ref.model.path)
+    )
     peak = config.trainer.get("peak_flops_per_worker")
     if not peak:
         mp = config.actor_rollout_ref.actor.fsdp_config.get("mixed_precision") or {}

@@ -17,14 +17,27 @@ import torch
 from torch import nn
 
 from hybridflow import keys
-from hybridflow.algorithms import PolicyLossConfig, PolicyLossInputs, agg_loss, compute_policy_loss, kl_penalty
+from hybridflow.algorithms import (
+    PolicyLossConfig,
+    PolicyLossInputs,
+    agg_loss,
+    compute_policy_loss,
+    kl_penalty,
+)
 from hybridflow.protocol import DataProto
 from hybridflow.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 from hybridflow.workers.fsdp_utils import grad_norm_and_clip
 from hybridflow.workers.micro_batch import restore_order, split_micro_batches
 
-_POLICY_LOSS_KEYS = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "tau_pos",
-                     "tau_neg")
+_POLICY_LOSS_KEYS = (
+    "clip_cov_ratio",
+    "clip_cov_lb",
+    "clip_cov_ub",
+    "kl_cov_ratio",
+    "ppo_kl_coef",
+    "tau_pos",
+    "tau_neg",
+)
 
 
 def forward_response_logits(model: nn.Module, micro: DataProto, temperature: float) -> torch.Tensor:
@@ -73,8 +86,14 @@ class DataParallelPPOActor:
         return log_probs, entropy
 
     @torch.no_grad()
-    def compute_log_prob(self, data: DataProto, micro_batch_size: int | None, use_dynamic_bsz: bool = False,
-                         max_token_len: int | None = None, calculate_entropy: bool = False):
+    def compute_log_prob(
+        self,
+        data: DataProto,
+        micro_batch_size: int | None,
+        use_dynamic_bsz: bool = False,
+        max_token_len: int | None = None,
+        calculate_entropy: bool = False,
+    ):
         """``(log_probs (B, T_r), entropy (B, T_r) | None)`` of ``data[responses]`` under the current
         weights; ``data.meta_info["temperature"]`` scales the logits as in sampling."""
         temperature = float(data.meta_info.get("temperature", 1.0))
@@ -132,8 +151,9 @@ class DataParallelPPOActor:
         metrics: dict[str, list] = {}
         for epoch in range(int(cfg.ppo_epochs)):
             for mini in self._mini_batches(data, seed=step * 1000 + epoch):
-                micros, _ = split_micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
-                                                cfg.ppo_max_token_len_per_gpu)
+                micros, _ = split_micro_batches(
+                    mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu
+                )
                 for index, micro in enumerate(micros):
                     self._set_grad_sync(index == len(micros) - 1)
                     loss, micro_metrics = self._micro_loss(micro, temperature)
@@ -146,7 +166,9 @@ class DataParallelPPOActor:
     def _mini_batches(self, data: DataProto, seed: int) -> list[DataProto]:
         size = int(self.config.ppo_mini_batch_size)
         if len(data) % size:
-            raise ValueError(f"actor update: {len(data)} rows per rank do not divide into mini-batches of {size}")
+            raise ValueError(
+                f"actor update: {len(data)} rows per rank do not divide into mini-batches of {size}"
+            )
         if self.config.shuffle:
             generator = torch.Generator().manual_seed(seed)
             data = data.select_idxs(torch.randperm(len(data), generator=generator))

@@ -41,8 +41,9 @@ class DataParallelPPOCritic:
     def compute_values(self, data: DataProto) -> torch.Tensor:
         cfg = self.config
         self.module.eval()
-        micros, order = split_micro_batches(data, cfg.forward_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
-                                            cfg.forward_max_token_len_per_gpu)
+        micros, order = split_micro_batches(
+            data, cfg.forward_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.forward_max_token_len_per_gpu
+        )
         return restore_order(torch.cat([forward_values(self.module, m) for m in micros]), order)
 
     def update_critic(self, data: DataProto) -> dict[str, list]:
@@ -53,7 +54,9 @@ class DataParallelPPOCritic:
         metrics: dict[str, list] = {}
         size = int(cfg.ppo_mini_batch_size)
         if len(data) % size:
-            raise ValueError(f"critic update: {len(data)} rows per rank do not divide into mini-batches of {size}")
+            raise ValueError(
+                f"critic update: {len(data)} rows per rank do not divide into mini-batches of {size}"
+            )
         for epoch in range(int(cfg.ppo_epochs)):
             shuffled = data
             if cfg.shuffle:
@@ -65,15 +68,20 @@ class DataParallelPPOCritic:
 
     def _update_mini_batch(self, mini: DataProto, metrics: dict[str, list]) -> None:
         cfg = self.config
-        micros, _ = split_micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
-                                        cfg.ppo_max_token_len_per_gpu)
+        micros, _ = split_micro_batches(
+            mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu
+        )
         for index, micro in enumerate(micros):
             if hasattr(self.module, "set_requires_gradient_sync"):
                 self.module.set_requires_gradient_sync(index == len(micros) - 1)
             vpreds = forward_values(self.module, micro)
             mask = micro.batch[keys.RESPONSE_MASK].float()
             vf_loss, vf_clipfrac = compute_value_loss(
-                vpreds, micro.batch[keys.RETURNS], micro.batch[keys.VALUES], mask, float(cfg.cliprange_value),
+                vpreds,
+                micro.batch[keys.RETURNS],
+                micro.batch[keys.VALUES],
+                mask,
+                float(cfg.cliprange_value),
                 cfg.loss_agg_mode,
             )
             (vf_loss * (len(micro) / len(mini))).backward()

@@ -15,8 +15,8 @@ from abc import ABC, abstractmethod
 import torch
 
 from hybridflow import keys
-from hybridflow.algorithms import Registry
 from hybridflow.protocol import DataProto
+from hybridflow.utils.registry import Registry
 from hybridflow.utils.torch_functional import get_response_mask
 
 ROLLOUTS: Registry = Registry("rollout")
@@ -38,10 +38,10 @@ class BaseRollout(ABC):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """See the module docstring for the keys in and out."""
 
-    def release(self) -> None:
+    def release(self) -> None:  # noqa: B027 (optional hook)
         """Free generation-only memory (KV cache) between phases. No-op by default."""
 
-    def resume(self) -> None:
+    def resume(self) -> None:  # noqa: B027 (optional hook)
         """Re-create what :meth:`release` freed. No-op by default."""
 
 
@@ -52,12 +52,21 @@ def sampling_params(config, meta_info: dict) -> dict:
     temperature = float(source.get("temperature", 1.0))
     if not do_sample or temperature == 0:
         return {"do_sample": False, "temperature": 0.0, "top_p": 1.0, "top_k": -1}
-    return {"do_sample": True, "temperature": temperature, "top_p": float(source.get("top_p", 1.0)),
-            "top_k": int(source.get("top_k", -1))}
+    return {
+        "do_sample": True,
+        "temperature": temperature,
+        "top_p": float(source.get("top_p", 1.0)),
+        "top_k": int(source.get("top_k", -1)),
+    }
 
 
-def assemble_output(prompts: DataProto, responses: torch.Tensor, eos_ids: list[int], pad_id: int,
-                    rollout_log_probs: torch.Tensor | None = None) -> DataProto:
+def assemble_output(
+    prompts: DataProto,
+    responses: torch.Tensor,
+    eos_ids: list[int],
+    pad_id: int,
+    rollout_log_probs: torch.Tensor | None = None,
+) -> DataProto:
     """Build the standard rollout output from left-padded prompts and raw generated ids (B, T_r).
 
     Tokens after the first EOS become ``pad_id``; positions continue from each prompt's last position."""

@@ -50,13 +50,20 @@ class HFRollout(BaseRollout):
     def _generate(self, prompts: DataProto, params: dict, eos_ids: list[int], pad_id: int) -> torch.Tensor:
         input_ids = prompts.batch[keys.INPUT_IDS]
         response_length = int(self.config.response_length)
-        kwargs = {"do_sample": params["do_sample"], "max_new_tokens": response_length,
-                  "eos_token_id": None if self.config.get("ignore_eos") else eos_ids, "pad_token_id": pad_id}
+        kwargs = {
+            "do_sample": params["do_sample"],
+            "max_new_tokens": response_length,
+            "eos_token_id": None if self.config.get("ignore_eos") else eos_ids,
+            "pad_token_id": pad_id,
+        }
         if params["do_sample"]:
-            kwargs.update(temperature=params["temperature"], top_p=params["top_p"],
-                          top_k=params["top_k"] if params["top_k"] > 0 else 0)
+            kwargs.update(
+                temperature=params["temperature"],
+                top_p=params["top_p"],
+                top_k=params["top_k"] if params["top_k"] > 0 else 0,
+            )
         output = self.module.generate(
             input_ids=input_ids, attention_mask=prompts.batch[keys.ATTENTION_MASK], use_cache=True, **kwargs
         )
-        generated = output[:, input_ids.shape[1]:]
+        generated = output[:, input_ids.shape[1] :]
         return F.pad(generated, (0, response_length - generated.shape[1]), value=pad_id)

@@ -1,0 +1,32 @@
+"""Checkpointing: FSDP2 shards via torch.distributed.checkpoint, plus the trainer's step tracker.
+
+``from hybridflow.utils.checkpoint import FSDPCheckpointManager`` imports torch.distributed lazily; the
+tracker functions (tracker.py) import torch only inside ``atomic_torch_save``.
+"""
+
+from hybridflow.utils.checkpoint.tracker import (
+    atomic_torch_save,
+    find_latest_ckpt_path,
+    global_step_dir,
+    prune_checkpoints,
+    read_latest_checkpointed_iteration,
+    write_latest_checkpointed_iteration,
+)
+
+__all__ = [
+    "FSDPCheckpointManager",
+    "atomic_torch_save",
+    "find_latest_ckpt_path",
+    "global_step_dir",
+    "prune_checkpoints",
+    "read_latest_checkpointed_iteration",
+    "write_latest_checkpointed_iteration",
+]
+
+
+def __getattr__(name: str):
+    if name == "FSDPCheckpointManager":
+        from hybridflow.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
+
+        return FSDPCheckpointManager
+    raise AttributeError(f"module 'hybridflow.utils.checkpoint' has no attribute {name!r}")

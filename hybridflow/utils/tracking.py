@@ -1,0 +1,233 @@
+"""Experiment tracking: one ``Tracking`` front end fanning each step's metrics out to named backends.
+
+Backends register by name (``@register_tracker("jsonl")``) and share one interface: constructed with
+``(project_name, experiment_name, config, log_dir)``, then ``log(data, step)`` and ``finish()``.
+
+- ``console``: one sorted ``step:N - key:value`` line per step, via ``tqdm.write`` (safe under a bar);
+- ``jsonl`` (alias ``file``): ``{"step": N, **metrics}`` appended to ``{log_dir}/metrics.jsonl``;
+- ``tensorboard``: scalars in ``{log_dir}/tensorboard`` (``TENSORBOARD_DIR`` overrides);
+- ``wandb``: offline unless ``WANDB_API_KEY`` is set (``WANDB_MODE`` overrides).
+
+The default ``log_dir`` is ``outputs/{project_name}/{experiment_name}``. Heavy backends import their
+library only when selected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+__all__ = ["Tracking", "TrackerBackend", "register_tracker", "registered_trackers", "to_float"]
+
+_INSTALL_HINT = 'pip install "hybridflow[tracking]"'
+
+
+class TrackerBackend(Protocol):
+    """What every backend provides; the constructor is ``(project, experiment, config, log_dir)``."""
+
+    def log(self, data: dict[str, Any], step: int) -> None: ...
+
+    def finish(self) -> None: ...
+
+
+_TRACKERS: dict[str, type] = {}
+
+
+def register_tracker(name: str) -> Callable[[type], type]:
+    """Class decorator registering a backend under ``name``; a different class under a taken name raises."""
+
+    def decorator(cls: type) -> type:
+        existing = _TRACKERS.get(name)
+        if existing is not None and existing is not cls:
+            raise ValueError(f"tracker {name!r} is already registered to {existing.__qualname__}")
+        _TRACKERS[name] = cls
+        return cls
+
+    return decorator
+
+
+def registered_trackers() -> list[str]:
+    return sorted(_TRACKERS)
+
+
+def to_float(value: Any) -> float | None:
+    """``value`` as a Python float (ints, bools, numpy/torch scalars), or None if it is not numeric."""
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        value = value.item()
+    if isinstance(value, bool | int | float):
+        return float(value)
+    return None
+
+
+class _NonNumericFilter:
+    """Keeps the numeric entries of a metrics dict, warning once per key about the others."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self.warned: set[str] = set()
+
+    def __call__(self, data: dict[str, Any]) -> dict[str, float]:
+        out = {}
+        for key, value in data.items():
+            number = to_float(value)
+            if number is not None:
+                out[key] = number
+            elif key not in self.warned:
+                self.warned.add(key)
+                warnings.warn(
+                    f"{self.backend} tracker: skipping non-numeric metric {key!r} ({type(value).__name__})",
+                    stacklevel=3,
+                )
+        return out
+
+
+def _format_value(value: Any) -> str:
+    number = to_float(value)
+    if number is None:
+        return str(value)
+    if isinstance(value, bool | int) or (hasattr(value, "dtype") and "int" in str(value.dtype)):
+        return str(int(number))
+    return f"{number:.4g}"
+
+
+@register_tracker("console")
+class ConsoleTracker:
+    """One compact line per step, keys sorted: ``step:3 - actor/pg_loss:0.012 - ...``."""
+
+    def __init__(self, project_name: str, experiment_name: str, config: dict | None, log_dir: str) -> None:
+        del project_name, experiment_name, config, log_dir
+
+    @staticmethod
+    def format_line(data: dict[str, Any], step: int) -> str:
+        parts = [f"step:{step}"] + [f"{key}:{_format_value(data[key])}" for key in sorted(data)]
+        return " - ".join(parts)
+
+    def log(self, data: dict[str, Any], step: int) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(self.format_line(data, step))
+
+    def finish(self) -> None:
+        pass
+
+
+@register_tracker("jsonl")
+@register_tracker("file")
+class JsonlTracker:
+    """Appends ``{"step": n, **metrics}`` lines to ``{log_dir}/metrics.jsonl``, flushed per line.
+
+    Values are stored as floats; NaN and inf are written as the ``NaN``/``Infinity`` tokens that
+    Python's ``json`` reads back.
+    """
+
+    def __init__(self, project_name: str, experiment_name: str, config: dict | None, log_dir: str) -> None:
+        del project_name, experiment_name, config
+        self.path = Path(log_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+        self._numeric = _NonNumericFilter("jsonl")
+
+    def log(self, data: dict[str, Any], step: int) -> None:
+        record = {"step": int(step), **self._numeric(data)}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def finish(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+@register_tracker("tensorboard")
+class TensorboardTracker:
+    """Scalars through ``torch.utils.tensorboard.SummaryWriter``."""
+
+    def __init__(self, project_name: str, experiment_name: str, config: dict | None, log_dir: str) -> None:
+        del project_name, experiment_name
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:  # torch's wrapper raises this when tensorboard is absent
+            raise ImportError(f"the tensorboard tracker needs tensorboard: {_INSTALL_HINT}") from err
+        self.log_dir = os.environ.get("TENSORBOARD_DIR") or str(Path(log_dir) / "tensorboard")
+        self.writer = SummaryWriter(log_dir=self.log_dir)
+        if config:
+            self.writer.add_text("config", f"```\n{json.dumps(config, indent=2, default=str)}\n```")
+        self._numeric = _NonNumericFilter("tensorboard")
+
+    def log(self, data: dict[str, Any], step: int) -> None:
+        for key, value in self._numeric(data).items():
+            self.writer.add_scalar(key, value, global_step=step)
+
+    def finish(self) -> None:
+        self.writer.close()
+
+
+@register_tracker("wandb")
+class WandbTracker:
+    """Weights & Biases; runs offline (no network) unless an API key is configured."""
+
+    def __init__(self, project_name: str, experiment_name: str, config: dict | None, log_dir: str) -> None:
+        try:
+            import wandb
+        except ImportError as err:
+            raise ImportError(f"the wandb tracker needs wandb: {_INSTALL_HINT}") from err
+        default_mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=project_name,
+            name=experiment_name,
+            config=config,
+            mode=os.environ.get("WANDB_MODE", default_mode),
+            dir=log_dir,
+        )
+
+    def log(self, data: dict[str, Any], step: int) -> None:
+        self.run.log(data, step=step)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+class Tracking:
+    """Sends ``log(data, step)`` to every selected backend; ``finish()`` closes them (idempotent)."""
+
+    def __init__(
+        self,
+        project_name: str,
+        experiment_name: str,
+        default_backend: str | list[str],
+        config: dict | None = None,
+        log_dir: str | None = None,
+    ) -> None:
+        names = [default_backend] if isinstance(default_backend, str) else list(default_backend)
+        unknown = [name for name in names if name not in _TRACKERS]
+        if unknown:
+            raise ValueError(f"unknown tracking backend(s) {unknown}; registered: {registered_trackers()}")
+        self.log_dir = log_dir or os.path.join("outputs", project_name, experiment_name)
+        self.backends: dict[str, TrackerBackend] = {}
+        for name in dict.fromkeys(names):  # de-duplicate, keep order
+            cls = _TRACKERS[name]
+            if any(type(b) is cls for b in self.backends.values()):
+                continue  # an alias of a backend already open (file / jsonl)
+            self.backends[name] = cls(project_name, experiment_name, config, self.log_dir)
+        self._finished = False
+
+    def log(self, data: dict[str, Any], step: int) -> None:
+        for backend in self.backends.values():
+            backend.log(data, step)
+
+    def finish(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        for backend in self.backends.values():
+            backend.finish()
+
+    def __enter__(self) -> Tracking:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.finish()

@@ -1,0 +1,34 @@
+"""Reward managers: turn a batch of generated responses into token-level scores.
+
+A manager is called as ``manager(data: DataProto, return_dict=False)`` and returns
+``reward_tensor (B, T_r) float32`` with each sample's score on its last valid response token (or
+``{"reward_tensor", "reward_extra_info"}``). Managers are registered by name: ``naive`` (one
+scorer call per sample), ``batch`` (one call for the batch), ``dapo`` (naive + overlong penalty),
+``prime`` (parallel processes with a per-sample timeout). Build one from config with
+:func:`build_reward_manager`.
+"""
+
+from hybridflow.workers.reward_manager import batch, dapo, naive, prime  # noqa: F401  (registration)
+from hybridflow.workers.reward_manager.batch import BatchRewardManager
+from hybridflow.workers.reward_manager.custom import build_reward_manager, load_custom_reward_function
+from hybridflow.workers.reward_manager.dapo import DAPORewardManager
+from hybridflow.workers.reward_manager.naive import NaiveRewardManager, RewardScoreError
+from hybridflow.workers.reward_manager.prime import PrimeRewardManager
+from hybridflow.workers.reward_manager.registry import (
+    REWARD_MANAGERS,
+    get_reward_manager_cls,
+    register_reward_manager,
+)
+
+__all__ = [
+    "REWARD_MANAGERS",
+    "BatchRewardManager",
+    "DAPORewardManager",
+    "NaiveRewardManager",
+    "PrimeRewardManager",
+    "RewardScoreError",
+    "build_reward_manager",
+    "get_reward_manager_cls",
+    "load_custom_reward_function",
+    "register_reward_manager",
+]

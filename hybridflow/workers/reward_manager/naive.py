@@ -1,0 +1,263 @@
+"""The naive reward manager (one scorer call per sample) and the machinery all managers share.
+
+Pipeline of every manager's ``__call__(data, return_dict=False)``:
+
+1. if ``rm_scores`` is in ``data.batch`` (a reward model already ran), return it unchanged;
+2. :func:`decode_samples`: valid prompt/response ids → strings (``skip_special_tokens=True``), plus
+   ``reward_model[i]["ground_truth"]``, ``data[reward_fn_key][i]`` and ``extra_info[i]``;
+3. ``score_samples`` (the part each manager defines) → one :class:`ScoreOutcome` per sample;
+4. :func:`resolve_scores`: validate (a raised error, a NaN/inf or a non-number is never silently
+   zeroed: ``RewardScoreError``, unless ``on_score_error="zero"``), split dict results into the
+   score and extra fields;
+5. ``shape_scores`` (optional per-manager adjustment, e.g. DAPO's overlong penalty);
+6. write each score on the sample's last valid response token of ``reward_tensor (B, T_r) float32``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hybridflow.protocol import DataProto
+from hybridflow.utils.reward_score import default_compute_score
+from hybridflow.workers.reward_manager.registry import register_reward_manager
+
+logger = logging.getLogger(__name__)
+
+ON_SCORE_ERROR_MODES = ("raise", "zero")
+RESPONSE_PREFIX_CHARS = 200  # how much of a response an error message quotes
+
+
+class RewardScoreError(RuntimeError):
+    """A scorer raised, or returned NaN/inf/a non-number, for a sample (names source, index, response)."""
+
+
+@dataclass
+class RewardSample:
+    """One row of the batch, decoded for scoring."""
+
+    index: int
+    data_source: str
+    prompt_str: str
+    response_str: str
+    ground_truth: Any
+    extra_info: dict | None
+    valid_response_length: int
+
+
+@dataclass
+class ScoreOutcome:
+    """What scoring one sample produced: the scorer's raw result, or the exception it raised."""
+
+    result: Any = None
+    error: BaseException | None = None
+
+
+@dataclass
+class ResolvedScores:
+    """Validated scores ``(B,)`` and extra fields, each a list of length ``B``."""
+
+    scores: list[float]
+    extra_info: dict[str, list] = field(default_factory=dict)
+
+
+def _non_tensor(data: DataProto, key: str) -> Any:
+    if key not in data.non_tensor_batch:
+        raise KeyError(
+            f"reward manager: data.non_tensor_batch has no {key!r} (keys: {sorted(data.non_tensor_batch)})"
+        )
+    return data.non_tensor_batch[key]
+
+
+def _ground_truth(reward_model: Any, index: int) -> Any:
+    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+        raise KeyError(
+            f"reward manager: sample {index}: reward_model has no 'ground_truth': {reward_model!r:.200}"
+        )
+    return reward_model["ground_truth"]
+
+
+def decode_samples(data: DataProto, tokenizer, reward_fn_key: str = "data_source") -> list[RewardSample]:
+    """Decode the valid part of each row.
+
+    ``prompts (B, T_p)`` is left-padded, ``responses (B, T_r)`` right-padded and
+    ``attention_mask (B, T_p + T_r)`` covers both, so valid lengths are mask sums over each part.
+    """
+    prompts, responses = data.batch["prompts"], data.batch["responses"]
+    mask = data.batch["attention_mask"]
+    t_p = prompts.shape[1]
+    prompt_lens = mask[:, :t_p].sum(-1).tolist()
+    response_lens = mask[:, t_p:].sum(-1).tolist()
+    prompt_strs = tokenizer.batch_decode(
+        [prompts[i, t_p - n :].tolist() for i, n in enumerate(prompt_lens)], skip_special_tokens=True
+    )
+    response_strs = tokenizer.batch_decode(
+        [responses[i, :n].tolist() for i, n in enumerate(response_lens)], skip_special_tokens=True
+    )
+    reward_model = _non_tensor(data, "reward_model")
+    data_sources = _non_tensor(data, reward_fn_key)
+    extra_infos = data.non_tensor_batch.get("extra_info")
+    return [
+        RewardSample(
+            index=i,
+            data_source=data_sources[i],
+            prompt_str=prompt_strs[i],
+            response_str=response_strs[i],
+            ground_truth=_ground_truth(reward_model[i], i),
+            extra_info=extra_infos[i] if extra_infos is not None else None,
+            valid_response_length=int(response_lens[i]),
+        )
+        for i in range(len(data))
+    ]
+
+
+def call_scorer(compute_score, sample: RewardSample, score_kwargs: dict) -> ScoreOutcome:
+    """Run ``compute_score`` on one sample with verl's keyword arguments; capture any exception."""
+    try:
+        result = compute_score(
+            data_source=sample.data_source,
+            solution_str=sample.response_str,
+            ground_truth=sample.ground_truth,
+            extra_info=sample.extra_info,
+            **score_kwargs,
+        )
+    except Exception as exc:  # reported (or zeroed) by resolve_scores, never dropped
+        return ScoreOutcome(error=exc)
+    return ScoreOutcome(result=result)
+
+
+def _parse(outcome: ScoreOutcome) -> tuple[float, dict, str | None]:
+    """``(score, extra fields, problem)``; ``problem`` is None when the outcome is a finite number."""
+    if outcome.error is not None:
+        return 0.0, {}, f"scorer raised {type(outcome.error).__name__}: {outcome.error}"
+    result, extras = outcome.result, {}
+    if isinstance(result, dict):
+        if "score" not in result:
+            return 0.0, {}, f"scorer returned a dict without 'score' (keys {sorted(result)})"
+        extras = {k: v for k, v in result.items() if k != "score"}
+        result = result["score"]
+    try:
+        score = float(result)
+    except (TypeError, ValueError):
+        return 0.0, {}, f"scorer returned a non-number {result!r:.100}"
+    if not math.isfinite(score):
+        return 0.0, {}, f"scorer returned {score}"
+    return score, extras, None
+
+
+def _describe(sample: RewardSample, problem: str) -> str:
+    return (
+        f"reward scoring failed for data_source={sample.data_source!r}, sample {sample.index}: {problem}; "
+        f"response[:{RESPONSE_PREFIX_CHARS}]={sample.response_str[:RESPONSE_PREFIX_CHARS]!r}, "
+        f"ground_truth={sample.ground_truth!r}. Set reward_model.on_score_error=zero to score it 0 instead."
+    )
+
+
+def resolve_scores(
+    samples: list[RewardSample], outcomes: list[ScoreOutcome], on_score_error: str
+) -> ResolvedScores:
+    """Validate outcomes; raise ``RewardScoreError`` on the first bad one, or zero it (``"zero"``)."""
+    scores, per_sample, errors, first_problem = [], [], [], None
+    for sample, outcome in zip(samples, outcomes, strict=True):
+        score, extras, problem = _parse(outcome)
+        if problem is not None and on_score_error == "raise":
+            raise RewardScoreError(_describe(sample, problem)) from outcome.error
+        if problem is not None and first_problem is None:
+            first_problem = _describe(sample, problem)
+        scores.append(score)
+        per_sample.append(extras)
+        errors.append(int(problem is not None))
+    if first_problem is not None:
+        logger.warning(
+            "%d of %d samples scored 0 after scoring errors; first: %s",
+            sum(errors),
+            len(errors),
+            first_problem,
+        )
+    keys = list(dict.fromkeys(k for extras in per_sample for k in extras))
+    info = {k: [extras.get(k) for extras in per_sample] for k in keys}
+    if on_score_error == "zero":
+        info["score_error"] = errors
+    return ResolvedScores(scores, info)
+
+
+def print_examples(samples: list[RewardSample], scores: list[float], num_examine: int) -> None:
+    """Print up to ``num_examine`` samples per data_source (prompt, response, ground truth, score)."""
+    printed: dict[str, int] = {}
+    for sample, score in zip(samples, scores):
+        if printed.get(sample.data_source, 0) >= num_examine:
+            continue
+        printed[sample.data_source] = printed.get(sample.data_source, 0) + 1
+        print("[prompt]", sample.prompt_str)
+        print("[response]", sample.response_str)
+        print("[ground_truth]", sample.ground_truth)
+        print("[score]", score)
+
+
+def check_on_score_error(mode: str) -> str:
+    if mode not in ON_SCORE_ERROR_MODES:
+        raise ValueError(f"on_score_error={mode!r}; choose one of {list(ON_SCORE_ERROR_MODES)}")
+    return mode
+
+
+class RewardManagerBase:
+    """The shared ``__call__`` pipeline (module docstring); subclasses define ``score_samples``."""
+
+    def __init__(
+        self,
+        tokenizer,
+        num_examine: int,
+        compute_score=None,
+        reward_fn_key: str = "data_source",
+        on_score_error: str = "raise",
+        **kwargs,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.num_examine = num_examine
+        self.compute_score = compute_score or default_compute_score
+        self.reward_fn_key = reward_fn_key
+        self.on_score_error = check_on_score_error(on_score_error)
+        self.score_kwargs = kwargs  # forwarded to every compute_score call (verl's reward_kwargs)
+
+    def score_samples(self, samples: list[RewardSample]) -> tuple[list[ScoreOutcome], dict[str, list]]:
+        """One outcome per sample, plus extra-info columns of length B the manager wants logged."""
+        raise NotImplementedError
+
+    def shape_scores(
+        self, samples: list[RewardSample], scores: list[float]
+    ) -> tuple[list[float], dict[str, list]]:
+        """Adjust validated scores (default: unchanged); returns new scores and extra-info columns."""
+        return scores, {}
+
+    def __call__(self, data: DataProto, return_dict: bool = False):
+        """``reward_tensor (B, T_r) float32``, or ``{"reward_tensor", "reward_extra_info"}``."""
+        if "rm_scores" in data.batch.keys():  # a reward model already scored the batch (verl behaviour)
+            rm_scores = data.batch["rm_scores"]
+            return {"reward_tensor": rm_scores, "reward_extra_info": {}} if return_dict else rm_scores
+        samples = decode_samples(data, self.tokenizer, self.reward_fn_key)
+        outcomes, columns = self.score_samples(samples)
+        resolved = resolve_scores(samples, outcomes, self.on_score_error)
+        scores, shaping_columns = self.shape_scores(samples, resolved.scores)
+        reward_tensor = torch.zeros(data.batch["responses"].shape, dtype=torch.float32)
+        for sample, score in zip(samples, scores):
+            # an empty response has no last token; position 0 keeps the score in the tensor
+            reward_tensor[sample.index, max(sample.valid_response_length - 1, 0)] = score
+        print_examples(samples, scores, self.num_examine)
+        if not return_dict:
+            return reward_tensor
+        return {
+            "reward_tensor": reward_tensor,
+            "reward_extra_info": {**resolved.extra_info, **columns, **shaping_columns},
+        }
+
+
+@register_reward_manager("naive")
+class NaiveRewardManager(RewardManagerBase):
+    """Calls ``compute_score`` once per sample, in order, in this process."""
+
+    def score_samples(self, samples: list[RewardSample]) -> tuple[list[ScoreOutcome], dict[str, list]]:
+        return [call_scorer(self.compute_score, s, self.score_kwargs) for s in samples], {}

@@ -1,0 +1,263 @@
+"""End to end through Ray: GRPO and PPO steps on a tiny model with 2-rank FSDP2 worker groups,
+exact resume, and the model merger's export matching the trained actor.
+
+One set of colocated worker processes (actor+rollout+ref, critic) serves every run here; each run
+reloads the initial weights (``init_model``), so runs are independent.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from hybridflow.protocol import DataProto
+from hybridflow.trainer.config import load_config
+from hybridflow.trainer.main_ppo import run_ppo
+from hybridflow.trainer.ppo.workers_setup import build_worker_groups
+
+COMPARED_KEYS = [
+    "actor/pg_loss",
+    "actor/ppo_kl",
+    "actor/kl_loss",
+    "actor/entropy",
+    "actor/grad_norm",
+    "critic/score/mean",
+    "critic/advantages/mean",
+    "response_length/mean",
+]
+
+
+def _overrides(tiny_model_dir, arithmetic_data, tmp_path, **extra) -> list[str]:
+    train, test = arithmetic_data
+    values = {
+        "data.train_files": train,
+        "data.val_files": test,
+        "actor_rollout_ref.model.path": tiny_model_dir,
+        "data.train_batch_size": 4,
+        "data.max_prompt_length": 40,
+        "data.max_response_length": 6,
+        "actor_rollout_ref.rollout.n": 2,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1,
+        "actor_rollout_ref.actor.optim.lr": 1e-3,
+        "actor_rollout_ref.actor.use_kl_loss": True,
+        "critic.enable": True,
+        "critic.optim.lr": 1e-3,
+        "trainer.logger": "[jsonl]",
+        "trainer.progress_bar": False,
+        "trainer.plot_curves": False,
+        "trainer.default_local_dir": str(tmp_path / "ckpt"),
+        "trainer.resume_mode": "disable",
+        "trainer.val_before_train": False,
+        "trainer.total_training_steps": 2,
+    }
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def _config(*args, **kwargs):
+    config = load_config(_overrides(*args, **kwargs))
+    OmegaConf.resolve(config)
+    return config
+
+
+def _metrics(log_dir: Path) -> dict[int, dict]:
+    lines = (log_dir / "metrics.jsonl").read_text().splitlines()
+    return {record["step"]: record for record in map(json.loads, lines)}
+
+
+@pytest.fixture(scope="module")
+def worker_groups(ray_session, tiny_model_dir, arithmetic_data, tmp_path_factory):
+    """Colocated 2-rank groups built from the shared worker-side settings used by every run below."""
+    config = _config(tiny_model_dir, arithmetic_data, tmp_path_factory.mktemp("wg"))
+    groups = build_worker_groups(config, use_critic=True, use_reference=True)
+    yield groups
+    groups.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference_run(worker_groups, tiny_model_dir, arithmetic_data, tmp_path_factory):
+    """A 4-step GRPO run saving at steps 2 and 4; also records the actor's greedy output at the end."""
+    tmp = tmp_path_factory.mktemp("reference")
+    config = _config(
+        tiny_model_dir,
+        arithmetic_data,
+        tmp,
+        **{
+            "trainer.total_training_steps": 4,
+            "trainer.save_freq": 2,
+            "trainer.experiment_name": "reference",
+            "trainer.val_before_train": True,
+            "trainer.test_freq": 4,
+            "critic.enable": False,
+        },
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp)
+        last = run_ppo(config, worker_groups=worker_groups)
+    prompts = _greedy_prompts(tiny_model_dir)
+    greedy = worker_groups.actor_rollout.generate_sequences(prompts)
+    return {"dir": tmp, "last": last, "prompts": prompts, "greedy": greedy}
+
+
+def _greedy_prompts(model_dir: str) -> DataProto:
+    from hybridflow.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    rows = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"What is {a} + {b}?"}], add_generation_prompt=True, tokenize=True
+        )["input_ids"]
+        for a, b in ((12, 34), (56, 7))
+    ]
+    width = max(len(r) for r in rows)
+    input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(r)) + list(r) for r in rows])
+    mask = (torch.arange(width).unsqueeze(0) >= torch.tensor([[width - len(r)] for r in rows])).long()
+    data = DataProto.from_dict(
+        {"input_ids": input_ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+    )
+    data.meta_info = {"validate": True, "do_sample": False}
+    return data
+
+
+def test_grpo_run_logs_finite_verl_metrics(reference_run):
+    metrics = _metrics(reference_run["dir"] / "outputs" / "hybridflow" / "reference")
+    assert sorted(metrics) == [0, 1, 2, 3, 4]
+    assert "val-core/hybridflow/arithmetic/reward/mean@1" in metrics[0]
+    step = metrics[4]
+    for key in (
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/pg_clipfrac_lower",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "actor/kl_loss",
+        "actor/kl_coef",
+        "actor/grad_norm",
+        "actor/lr",
+        "critic/score/mean",
+        "critic/rewards/max",
+        "critic/advantages/min",
+        "critic/returns/mean",
+        "response_length/mean",
+        "response_length/clip_ratio",
+        "prompt_length/mean",
+        "global_seqlen/minmax_diff",
+        "global_seqlen/balanced_max",
+        "timing_s/gen",
+        "timing_s/update_actor",
+        "timing_per_token_ms/gen",
+        "perf/time_per_step",
+        "perf/total_num_tokens",
+        "perf/throughput",
+        "perf/mfu/actor",
+        "perf/cpu_memory_used_gb",
+        "val-core/hybridflow/arithmetic/reward/mean@1",
+    ):
+        assert key in step, key
+        assert math.isfinite(step[key]), key
+    assert "critic/vf_loss" not in step  # GRPO: no critic
+
+
+def test_checkpoints_written_atomically_with_tracker(reference_run):
+    ckpt = reference_run["dir"] / "ckpt"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    for step in (2, 4):
+        assert (ckpt / f"global_step_{step}" / "actor" / "checkpoint_meta.json").exists()
+        assert (ckpt / f"global_step_{step}" / "data.pt").exists()
+    assert not list(ckpt.glob("**/*.tmp"))
+
+
+def test_merged_model_matches_actor_and_changed(reference_run, tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.model_merger import main as merger_main
+
+    target = tmp_path / "merged"
+    merger_main(
+        [
+            "merge",
+            "--backend",
+            "fsdp",
+            "--local_dir",
+            str(reference_run["dir"] / "ckpt" / "global_step_4" / "actor"),
+            "--target_dir",
+            str(target),
+        ]
+    )
+    merged = AutoModelForCausalLM.from_pretrained(target)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    changed = [n for n, p in merged.named_parameters() if not torch.equal(p, initial.get_parameter(n))]
+    assert changed, "training did not change any parameter"
+    prompts = reference_run["prompts"]
+    expected = reference_run["greedy"].batch["responses"]
+    out = merged.generate(
+        input_ids=prompts.batch["input_ids"],
+        attention_mask=prompts.batch["attention_mask"],
+        max_new_tokens=expected.shape[1],
+        do_sample=False,
+        eos_token_id=merged.generation_config.eos_token_id,
+        pad_token_id=3,
+    )
+    generated = out[:, prompts.batch["input_ids"].shape[1] :]
+    for row, want in zip(generated, expected, strict=True):
+        n = int((want != 3).sum())
+        assert row[:n].tolist() == want[:n].tolist()
+
+
+def test_resume_reproduces_the_uninterrupted_run(
+    reference_run, worker_groups, tiny_model_dir, arithmetic_data, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    config = _config(
+        tiny_model_dir,
+        arithmetic_data,
+        tmp_path,
+        **{
+            "trainer.total_training_steps": 4,
+            "trainer.experiment_name": "resumed",
+            "critic.enable": False,
+            "trainer.resume_mode": "resume_path",
+            "trainer.test_freq": 4,
+            "trainer.resume_from_path": str(reference_run["dir"] / "ckpt" / "global_step_2"),
+        },
+    )
+    run_ppo(config, worker_groups=worker_groups)
+    resumed = _metrics(tmp_path / "outputs" / "hybridflow" / "resumed")
+    reference = _metrics(reference_run["dir"] / "outputs" / "hybridflow" / "reference")
+    assert sorted(resumed) == [3, 4]
+    for step in (3, 4):
+        for key in COMPARED_KEYS:
+            assert resumed[step][key] == pytest.approx(reference[step][key], abs=1e-6), (step, key)
+
+
+def test_ppo_with_critic_runs_and_logs_value_metrics(
+    worker_groups, tiny_model_dir, arithmetic_data, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    config = _config(
+        tiny_model_dir,
+        arithmetic_data,
+        tmp_path,
+        **{
+            "algorithm.adv_estimator": "gae",
+            "algorithm.use_kl_in_reward": True,
+            "algorithm.kl_ctrl.type": "adaptive",
+            "trainer.experiment_name": "ppo",
+        },
+    )
+    last = run_ppo(config, worker_groups=worker_groups)
+    for key in (
+        "critic/vf_loss",
+        "critic/vf_clipfrac",
+        "critic/grad_norm",
+        "critic/lr",
+        "critic/values/mean",
+        "critic/vf_explained_var",
+        "actor/reward_kl_penalty",
+        "actor/reward_kl_penalty_coeff",
+    ):
+        assert key in last and math.isfinite(last[key]), key

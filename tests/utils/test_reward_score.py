@@ -1,0 +1,144 @@
+"""Rule-based scorers (gsm8k, MATH, arithmetic) and the data_source registry."""
+
+import pytest
+
+from hybridflow.utils.reward_score import SCORERS, arithmetic, default_compute_score, gsm8k, register_scorer
+from hybridflow.utils.reward_score import math as math_score
+
+
+# --------------------------------------------------------------------------------------------- gsm8k
+@pytest.mark.parametrize(
+    "text, method, expected",
+    [
+        ("so #### 72", "strict", "72"),
+        ("#### 1 then fixed: #### 1,234", "strict", "1234"),  # last occurrence, commas stripped
+        ("#### -5", "strict", "-5"),
+        ("the answer is 72", "strict", None),
+        ("####72", "strict", None),  # verl's strict format needs the space
+        ("I think 12, no 1,000.", "flexible", "1000"),
+        ("no digits here", "flexible", None),
+        ("x = 3. Then 4 .", "flexible", "4"),
+        ("costs 2.50 dollars", "flexible", "2.50"),
+    ],
+)
+def test_gsm8k_extract_solution(text, method, expected):
+    assert gsm8k.extract_solution(text, method=method) == expected
+
+
+def test_gsm8k_scores():
+    assert default_compute_score("openai/gsm8k", "12 + 60 = 72\n#### 72", "72") == 1.0
+    assert default_compute_score("openai/gsm8k", "#### 71", "72") == 0.0
+    assert default_compute_score("openai/gsm8k", "72", "72") == 0.0  # strict: no #### -> 0
+    assert default_compute_score("openai/gsm8k", "72", "72", method="flexible") == 1.0
+    assert gsm8k.compute_score("openai/gsm8k", "#### 71", "72", format_score=0.1) == 0.1
+    assert gsm8k.compute_score("openai/gsm8k", "#### 72", 72, score=2.0) == 2.0
+    with pytest.raises(ValueError, match="strict.*flexible"):
+        gsm8k.extract_solution("#### 1", method="loose")
+
+
+# ---------------------------------------------------------------------------------------------- math
+def test_last_boxed_only_string_balances_braces():
+    text = r"first \boxed{1} then \boxed{\frac{a}{b+{c}}} tail"
+    assert math_score.last_boxed_only_string(text) == r"\boxed{\frac{a}{b+{c}}}"
+    assert math_score.remove_boxed(r"\boxed{\frac{a}{b+{c}}}") == r"\frac{a}{b+{c}}"
+    assert math_score.last_boxed_only_string(r"\boxed{unclosed") is None
+    assert math_score.last_boxed_only_string("no box") is None
+    assert math_score.last_boxed_only_string(r"\fbox{7}") == r"\fbox{7}"
+    assert math_score.remove_boxed(r"\boxed 5") == "5"
+
+
+@pytest.mark.parametrize(
+    "answer, truth",
+    [
+        (r"\frac12", r"\frac{1}{2}"),
+        ("0.5", r"\frac{1}{2}"),
+        (r"\dfrac{3}{4}", "3/4"),
+        (r"\left( 1, 2 \right)", "(1,2)"),
+        (r"90^\circ", "90"),
+        (r"\$18.90", "18.90"),
+        (r"x = 5", "5"),
+        (r"\sqrt2", r"\sqrt{2}"),
+        (r"5\text{ cm}", "5"),
+        (r"50\%", "50"),
+    ],
+)
+def test_math_string_normalisation_equivalences(answer, truth):
+    assert math_score.is_equiv(answer, truth)
+    solution = f"We get $\\boxed{{{answer}}}$."
+    assert math_score.compute_score("lighteval/MATH", solution, truth, use_math_verify=False) == 1.0
+
+
+def test_math_fallback_scores():
+    score = lambda text, truth: default_compute_score("lighteval/MATH", text, truth, use_math_verify=False)  # noqa: E731
+    assert score(r"\boxed{1} no wait \boxed{2}", "2") == 1.0
+    assert score(r"\boxed{1} no wait \boxed{2}", "1") == 0.0
+    assert score("the answer is 2", "2") == 0.0  # no box, no score
+    assert score(r"\boxed{3", "3") == 0.0
+    assert not math_score.is_equiv("2", None) and math_score.is_equiv(None, None)
+
+
+def test_math_aliases_dispatch_to_the_same_scorer():
+    for source in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"):
+        assert SCORERS.get(source) is math_score.compute_score
+
+
+def test_math_verify_path():
+    pytest.importorskip("math_verify")
+    assert math_score.compute_score("lighteval/MATH", r"\boxed{\frac{2}{4}}", "0.5") == 1.0
+    assert math_score.compute_score("lighteval/MATH", r"\boxed{3}", "4") == 0.0
+
+
+# ---------------------------------------------------------------------------------------- arithmetic
+@pytest.mark.parametrize(
+    "text, truth, expected",
+    [
+        ("132", "132", 1.0),
+        ("The answer is 132.", "132", 1.0),
+        ("12, no: 132", "132", 1.0),
+        ("132 or maybe 12", "132", 0.0),  # the last integer counts
+        ("-17", "-17", 1.0),
+        ("5-3 gives 2", "2", 1.0),
+        ("no number", "1", 0.0),
+        ("1320", "132", 0.0),
+    ],
+)
+def test_arithmetic_scorer(text, truth, expected):
+    assert default_compute_score("hybridflow/arithmetic", text, truth) == expected
+
+
+def test_arithmetic_last_integer():
+    assert arithmetic.last_integer("a -12 b 7-3") == 3
+    assert arithmetic.last_integer("") is None
+
+
+# ------------------------------------------------------------------------------------------ registry
+def test_unknown_data_source_lists_registered_ones():
+    with pytest.raises(KeyError, match="'nope/data'.*hybridflow/arithmetic.*openai/gsm8k"):
+        default_compute_score("nope/data", "1", "1")
+
+
+def test_register_scorer_dict_results_and_conflicts():
+    @register_scorer("tests/dict_scorer")
+    def dict_scorer(data_source, solution_str, ground_truth, extra_info=None):
+        return {"score": 1, "acc": solution_str == ground_truth, "seen_extra": extra_info}
+
+    result = default_compute_score("tests/dict_scorer", "a", "a", {"k": 1})
+    assert result == {"score": 1, "acc": True, "seen_extra": {"k": 1}}
+
+    @register_scorer("tests/no_score_key")
+    def bad(data_source, solution_str, ground_truth, extra_info=None):
+        return {"acc": 1.0}
+
+    with pytest.raises(ValueError, match="without 'score'"):
+        default_compute_score("tests/no_score_key", "a", "a")
+    with pytest.raises(ValueError, match="already registered"):
+        register_scorer("openai/gsm8k")(bad)
+
+
+def test_numbers_come_back_as_float():
+    @register_scorer("tests/bool_scorer")
+    def bool_scorer(data_source, solution_str, ground_truth, extra_info=None):
+        return solution_str == ground_truth
+
+    value = default_compute_score("tests/bool_scorer", "x", "x")
+    assert value == 1.0 and type(value) is float
