@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) scripts/demo.py
+	$(PY) -m hybridflow.quickstart
 
 test: $(STAMP)
 	bash scripts/run_tests.sh $(PY)

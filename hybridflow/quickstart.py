@@ -33,15 +33,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--out", default="outputs/quickstart", help="working directory for data, models, logs"
     )
-    parser.add_argument("--sft-examples", type=int, default=6000)
-    parser.add_argument("--sft-epochs", type=int, default=3)
-    parser.add_argument("--teacher-carry-error-rate", type=float, default=0.8)
-    parser.add_argument("--grpo-steps", type=int, default=60)
+    parser.add_argument("--b-digits", type=int, default=1, help="digits of the second operand (first: 2)")
+    parser.add_argument("--sft-examples", type=int, default=12800)
+    parser.add_argument("--sft-steps", type=int, default=400)
+    parser.add_argument("--sft-lr", type=float, default=3e-3)
+    parser.add_argument("--teacher-carry-error-rate", type=float, default=0.85)
+    parser.add_argument("--grpo-steps", type=int, default=100)
     parser.add_argument("--prompts-per-step", type=int, default=32)
     parser.add_argument("--n", type=int, default=8, help="responses per prompt (GRPO group size)")
-    parser.add_argument("--lr", type=float, default=2e-5)
+    parser.add_argument("--lr", type=float, default=2e-4, help="GRPO learning rate")
     parser.add_argument("--num-test", type=int, default=200)
-    parser.add_argument("--hidden-size", type=int, default=192)
+    parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--workers", type=int, default=2, help="worker processes (one per CPU core)")
     return parser.parse_args(argv)
@@ -57,7 +59,7 @@ def prepare(args: argparse.Namespace, out: Path) -> tuple[Path, Path, Path, Path
         write_sft_dataset,
     )
 
-    task = ArithmeticTaskConfig(num_test=args.num_test)
+    task = ArithmeticTaskConfig(num_test=args.num_test, b_digits=(args.b_digits, args.b_digits), instruction="")
     train, test = write_rl_dataset(out / "data", task)
     sft = write_sft_dataset(
         out / "data",
@@ -85,11 +87,11 @@ def warm_start(args: argparse.Namespace, out: Path, sft_file: Path, base_model: 
             f"data.train_files={sft_file}",
             f"model.path={base_model}",
             f"trainer.default_local_dir={target}",
-            f"trainer.total_epochs={args.sft_epochs}",
+            f"trainer.total_training_steps={args.sft_steps}",
             f"trainer.n_gpus_per_node={args.workers}",
-            "data.train_batch_size=64",
-            "data.micro_batch_size_per_gpu=32",
-            "optim.lr=2e-3",
+            "data.train_batch_size=128",
+            f"data.micro_batch_size_per_gpu={128 // args.workers}",
+            f"optim.lr={args.sft_lr}",
         ],
         config_name="sft_trainer",
     )
@@ -116,7 +118,7 @@ def grpo(args: argparse.Namespace, out: Path, train: Path, test: Path, model: Pa
             f"actor_rollout_ref.actor.optim.lr={args.lr}",
             "algorithm.adv_estimator=grpo",
             f"trainer.total_training_steps={args.grpo_steps}",
-            f"trainer.test_freq={max(1, args.grpo_steps // 6)}",
+            f"trainer.test_freq={max(1, args.grpo_steps // 10)}",
             f"trainer.n_gpus_per_node={args.workers}",
             "trainer.logger=[console,jsonl]",
             f"trainer.default_local_dir={out / 'checkpoints'}",

@@ -49,6 +49,8 @@ class ArithmeticTaskConfig:
     """Fewest digits of each operand."""
     max_digits: int = 2
     """Most digits of each operand (each operand draws its own length)."""
+    b_digits: tuple[int, int] | None = None
+    """``(min, max)`` digits of the second operand when it differs from the first (e.g. ``(1, 1)``)."""
     ops: tuple[str, ...] = ("+",)
     """Operations to sample from, keys of ``OPS``."""
     num_train: int = 20000
@@ -68,17 +70,25 @@ class ArithmeticTaskConfig:
             )
         if not 1 <= self.min_digits <= self.max_digits:
             raise ValueError(f"need 1 <= min_digits <= max_digits, got {self.min_digits}, {self.max_digits}")
+        if self.b_digits is not None and not 1 <= self.b_digits[0] <= self.b_digits[1]:
+            raise ValueError(f"need 1 <= b_digits[0] <= b_digits[1], got {self.b_digits}")
+
+    def digit_range(self, operand: str) -> tuple[int, int]:
+        """``(min, max)`` digits of operand ``"a"`` or ``"b"``."""
+        if operand == "b" and self.b_digits is not None:
+            return self.b_digits
+        return self.min_digits, self.max_digits
 
 
-def _operand(rng: random.Random, cfg: ArithmeticTaskConfig) -> int:
-    digits = rng.randint(cfg.min_digits, cfg.max_digits)
+def _operand(rng: random.Random, cfg: ArithmeticTaskConfig, operand: str = "a") -> int:
+    digits = rng.randint(*cfg.digit_range(operand))
     low = 0 if digits == 1 else 10 ** (digits - 1)
     return rng.randint(low, 10**digits - 1)
 
 
 def make_problem(rng: random.Random, cfg: ArithmeticTaskConfig) -> dict:
     """One problem ``{"a", "op", "b", "answer"}``; for ``-`` the operands are ordered so ``a >= b``."""
-    a, b, op = _operand(rng, cfg), _operand(rng, cfg), rng.choice(cfg.ops)
+    a, b, op = _operand(rng, cfg, "a"), _operand(rng, cfg, "b"), rng.choice(cfg.ops)
     if op == "-" and a < b:
         a, b = b, a
     return {"a": a, "op": op, "b": b, "answer": OPS[op](a, b)}
@@ -96,10 +106,12 @@ def _problem_key(problem: dict) -> tuple:
 
 def _num_distinct_problems(cfg: ArithmeticTaskConfig) -> int:
     """Upper bound on distinct (a, op, b) triples (ordering ``-`` operands makes the true count smaller)."""
-    per_operand = sum(
-        9 * 10 ** (d - 1) + (1 if d == 1 else 0) for d in range(cfg.min_digits, cfg.max_digits + 1)
-    )
-    return per_operand * per_operand * len(cfg.ops)
+
+    def count(operand: str) -> int:
+        low, high = cfg.digit_range(operand)
+        return sum(9 * 10 ** (d - 1) + (1 if d == 1 else 0) for d in range(low, high + 1))
+
+    return count("a") * count("b") * len(cfg.ops)
 
 
 def generate_splits(cfg: ArithmeticTaskConfig) -> tuple[list[dict], list[dict]]:

@@ -135,10 +135,13 @@ def _plot(config: DictConfig, tracker) -> None:
     from hybridflow.utils.plot_metrics import plot_metrics
 
     metrics_path = os.path.join(log_dir(config), "metrics.jsonl")
-    if os.path.exists(metrics_path):
+    if os.path.exists(metrics_path) and os.path.getsize(metrics_path) > 0:
         out = os.path.join(log_dir(config), "curves.png")
-        plot_metrics(metrics_path, out)
-        print(f"curves: {out}")
+        try:
+            plot_metrics(metrics_path, out)
+            print(f"curves: {out}")
+        except ValueError as err:  # nothing plottable logged (e.g. a run that stopped early)
+            print(f"no curves written: {err}")
 
 
 if __name__ == "__main__":

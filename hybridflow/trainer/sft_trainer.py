@@ -19,8 +19,8 @@ def main(config: DictConfig) -> None:
     run_sft(config)
 
 
-def run_sft(config: DictConfig) -> dict[str, float]:
-    """Train and save; returns the last logged metrics."""
+def run_sft(config: DictConfig) -> list[dict[str, float]]:
+    """Train and save the model; returns every step's metrics."""
     import ray
     import torch
     from tqdm import tqdm
@@ -30,7 +30,7 @@ def run_sft(config: DictConfig) -> dict[str, float]:
     from hybridflow.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
     from hybridflow.trainer.ppo.workers_setup import build_resource_pool
     from hybridflow.utils.dataset import StatefulDataLoader
-    from hybridflow.utils.dataset.sft_dataset import SFTDataset
+    from hybridflow.utils.dataset.sft_dataset import SFTDataset, collate_sft
     from hybridflow.utils.tracking import Tracking
     from hybridflow.workers.sft_worker import SFTWorker
 
@@ -53,7 +53,7 @@ def run_sft(config: DictConfig) -> dict[str, float]:
         shuffle=bool(config.data.shuffle),
         seed=int(config.data.seed),
         drop_last=True,
-        collate_fn=_stack,
+        collate_fn=collate_sft,
     )
     total_steps = int(config.trainer.total_training_steps or len(loader) * int(config.trainer.total_epochs))
     with open_dict(config):
@@ -74,7 +74,7 @@ def run_sft(config: DictConfig) -> dict[str, float]:
     tracker = Tracking(
         config.trainer.project_name, config.trainer.experiment_name, list(config.trainer.logger)
     )
-    metrics: dict[str, float] = {}
+    history: list[dict[str, float]] = []
     try:
         wg.init_model()
         step = 0
@@ -84,6 +84,7 @@ def run_sft(config: DictConfig) -> dict[str, float]:
                     step += 1
                     out = wg.train_step(DataProto.from_single_dict(batch))
                     metrics = {k: sum(v) / len(v) for k, v in out.meta_info["metrics"].items()}
+                    history.append(metrics)
                     if step % int(config.trainer.log_freq) == 0 or step == total_steps:
                         tracker.log(metrics, step=step)
                     progress.set_postfix(loss=f"{metrics['train/loss']:.3f}")
@@ -94,13 +95,7 @@ def run_sft(config: DictConfig) -> dict[str, float]:
     finally:
         tracker.finish()
         wg.shutdown()
-    return metrics
-
-
-def _stack(rows: list[dict]) -> dict:
-    import torch
-
-    return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+    return history
 
 
 if __name__ == "__main__":

@@ -122,3 +122,12 @@ def test_cli(tmp_path, capsys):
     assert "train.parquet" in capsys.readouterr().out
     rows = pq.read_table(tmp_path / "train.parquet").to_pylist()
     assert len(rows) == 50 and {r["extra_info"]["op"] for r in rows} == {"+", "-"}
+
+
+def test_second_operand_digit_range():
+    from hybridflow.tasks.arithmetic import ArithmeticTaskConfig, generate_splits
+
+    cfg = ArithmeticTaskConfig(num_train=300, num_test=50, b_digits=(1, 1))
+    train, test = generate_splits(cfg)
+    assert all(10 <= p["a"] <= 99 and 0 <= p["b"] <= 9 for p in train + test)
+    assert {(p["a"], p["b"]) for p in test}.isdisjoint({(p["a"], p["b"]) for p in train})

@@ -170,12 +170,17 @@ def test_malformed_prompts_name_file_row_and_column(tokenizer, tmp_path, prompts
 
 def test_collate_fn_feeds_dataproto(tokenizer, arithmetic_files):
     dataset = RLHFDataset(arithmetic_files[0], tokenizer, {"max_prompt_length": 48})
-    batch = collate_fn([dataset[i] for i in range(4)])
-    assert batch["input_ids"].shape == (4, 48)
+    rows = [dataset[i] for i in range(4)]
+    batch = collate_fn(rows)
+    longest = max(len(r["raw_prompt_ids"]) for r in rows)
+    # shared left padding is trimmed: the batch is as wide as its longest prompt
+    assert batch["input_ids"].shape == (4, longest) and rows[0]["input_ids"].shape == (48,)
+    assert batch["attention_mask"].sum().item() == sum(len(r["raw_prompt_ids"]) for r in rows)
+    assert batch["attention_mask"][:, 0].any()
     assert isinstance(batch["raw_prompt_ids"], np.ndarray) and batch["raw_prompt_ids"].shape == (4,)
     assert batch["raw_prompt_ids"].dtype == object and isinstance(batch["raw_prompt_ids"][0], list)
     data = DataProto.from_single_dict(batch)
-    assert len(data) == 4 and data.batch["attention_mask"].shape == (4, 48)
+    assert len(data) == 4 and data.batch["attention_mask"].shape == (4, longest)
     assert list(data.non_tensor_batch["data_source"]) == ["hybridflow/arithmetic"] * 4
 
 

@@ -43,7 +43,8 @@ class RayResourcePool(ResourcePool):
         super().__init__(process_on_nodes, max_colocate_count)
         self.use_gpu = use_gpu
         self.cpus_per_process = cpus_per_process
-        self.name_prefix = name_prefix or f"pool_{uuid.uuid4().hex[:6]}"
+        # Placement-group names are cluster-wide: a random suffix keeps two pools of one name apart.
+        self.name_prefix = f"{name_prefix or 'pool'}_{uuid.uuid4().hex[:6]}"
         self.ready_timeout_s = ready_timeout_s
         self._placement_groups: list[PlacementGroup] | None = None
 
@@ -69,6 +70,12 @@ class RayResourcePool(ResourcePool):
                     )
             self._placement_groups = groups
         return self._placement_groups
+
+    def release(self) -> None:
+        """Return the reserved resources to the cluster (after the pool's worker groups are shut down)."""
+        for pg in self._placement_groups or []:
+            ray.util.remove_placement_group(pg)
+        self._placement_groups = None
 
     def actor_resources(self) -> dict[str, float]:
         """What one worker actor takes from its bundle: a ``1/max_colocate_count`` share."""
@@ -136,6 +143,7 @@ class RayWorkerGroup(WorkerGroup):
     ) -> None:
         super().__init__(name_prefix or f"wg_{uuid.uuid4().hex[:6]}", role=_role)
         self.ray_cls_with_init = ray_cls_with_init
+        self.resource_pool = resource_pool
         if _workers is None:
             _workers = self._spawn(resource_pool, ray_cls_with_init, num_threads, env or {})
         self._workers = _workers
@@ -198,6 +206,7 @@ class RayWorkerGroup(WorkerGroup):
         """For a colocated worker class: one group view per role, sharing these worker processes."""
         return {
             role: RayWorkerGroup(
+                resource_pool=self.resource_pool,
                 ray_cls_with_init=self.ray_cls_with_init,
                 name_prefix=f"{self.name}/{role}",
                 _workers=self._workers,
@@ -235,7 +244,10 @@ class RayWorkerGroup(WorkerGroup):
         except ray.exceptions.RayActorError as err:
             raise WorkerDiedError(f"{where} died during {method!r}: {err.__class__.__name__}: {err}") from err
 
-    def shutdown(self) -> None:
-        """Kill the group's worker processes (also for role views: they share the processes)."""
+    def shutdown(self, release_resources: bool = True) -> None:
+        """Kill the group's worker processes (also for role views: they share the processes) and, by
+        default, release the resource pool it was spawned on."""
         for worker in self._workers:
             ray.kill(worker, no_restart=True)
+        if release_resources and self.resource_pool is not None:
+            self.resource_pool.release()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
 from hybridflow import keys
 from hybridflow.protocol import DataProto
@@ -28,6 +29,23 @@ def informative_rows(batch: DataProto, metric: str) -> np.ndarray:
     uids = batch.non_tensor_batch[keys.UID]
     keep_uids = {u for u in set(uids) if len(values[uids == u]) == 1 or np.std(values[uids == u]) > 0}
     return np.array([i for i, u in enumerate(uids) if u in keep_uids], dtype=np.int64)
+
+
+PROMPT_KEYS = (keys.PROMPTS, keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS)
+
+
+def align_prompt_widths(parts: list[DataProto]) -> list[DataProto]:
+    """Left-pad the prompt side of batches generated from different prompt batches to one width
+    (prompts are as wide as their batch's longest prompt). Padding is masked, so its id is irrelevant."""
+    if any(keys.PROMPTS not in p.batch.keys() for p in parts):
+        return parts
+    width = max(p.batch[keys.PROMPTS].shape[1] for p in parts)
+    for part in parts:
+        extra = width - part.batch[keys.PROMPTS].shape[1]
+        for key in PROMPT_KEYS if extra else ():
+            value = part.batch[key]
+            part.batch[key] = torch.cat([torch.zeros(len(part), extra, dtype=value.dtype), value], dim=1)
+    return parts
 
 
 class GroupFilter:
@@ -58,6 +76,6 @@ class GroupFilter:
                 )
             batch = more()
         metrics["train/num_gen_batches"] = generated
-        merged = DataProto.concat([k.select(meta_info_keys=[]) for k in kept])
+        merged = DataProto.concat(align_prompt_widths([k.select(meta_info_keys=[]) for k in kept]))
         merged.meta_info = kept[0].meta_info
         return merged.slice(0, num_prompts * n_rows_per_prompt)

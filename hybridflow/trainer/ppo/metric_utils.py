@@ -81,7 +81,8 @@ def compute_data_metrics(batch: DataProto, use_critic: bool = True) -> dict[str,
 
     Sequence score/reward = sum over the response of ``token_level_scores``/``token_level_rewards``,
     taken over non-aborted rows (response length > 0) as verl does, or all rows if every one aborted.
-    Advantages, returns and values are over valid response tokens. ``critic/vf_explained_var`` is
+    Advantages, returns and values are over valid response tokens. ``meta_info["max_prompt_length"]``,
+    when present, is the limit ``prompt_length/clip_ratio`` counts against (else the prompt width). ``critic/vf_explained_var`` is
     ``1 - Var(returns - values) / (Var(returns) + 1e-5)`` with unbiased variances.
     """
     data = batch.batch
@@ -104,7 +105,9 @@ def compute_data_metrics(batch: DataProto, use_critic: bool = True) -> dict[str,
     metrics.update(_length_stats("response_length", response_length, t_r))
     metrics.update(_length_stats("response_length_non_aborted", response_length[~aborted], t_r))
     metrics["response/aborted_ratio"] = aborted.float().mean().item()
-    metrics.update(_length_stats("prompt_length", prompt_length, t_p))
+    # Prompts may be narrower than max_prompt_length (shared padding is trimmed): clip against the limit.
+    max_prompt_length = int(batch.meta_info.get("max_prompt_length", t_p))
+    metrics.update(_length_stats("prompt_length", prompt_length, max_prompt_length))
     if "__num_turns__" in batch.non_tensor_batch:
         num_turns = batch.non_tensor_batch["__num_turns__"].astype(float)
         metrics.update(_stats("num_turns", torch.as_tensor(num_turns)))

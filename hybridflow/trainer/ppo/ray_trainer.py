@@ -145,6 +145,7 @@ class RayPPOTrainer:
             if self.global_steps > self.config.trainer.critic_warmup:
                 with marked_timer("update_actor", timing):
                     metrics.update(self.update_actor(batch))
+        batch.meta_info["max_prompt_length"] = int(self.config.data.max_prompt_length)
         metrics.update(metric_utils.compute_data_metrics(batch, use_critic=self.use_critic))
         metrics.update(metric_utils.compute_timing_metrics(batch, timing))
         metrics.update(metric_utils.compute_throughput_metrics(batch, timing, n_workers=self.wg.world_size))

@@ -64,11 +64,26 @@ TRUNCATIONS: dict[str, Callable[[list[int], int], list[int]] | None] = {
 }
 
 
+PROMPT_TENSOR_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def trim_shared_left_padding(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop leading columns where ``attention_mask`` is 0 in every row (all tensors ``(B, T)``)."""
+    mask = tensors.get("attention_mask")
+    if mask is None or mask.numel() == 0:
+        return tensors
+    used = mask.any(dim=0).nonzero()
+    start = int(used[0]) if len(used) else 0
+    return {key: value[:, start:] for key, value in tensors.items()}
+
+
 def collate_fn(rows: list[dict]) -> dict:
     """Stack tensor fields to ``(B, ...)``; every other field becomes a 1-D numpy object array ``(B,)``.
 
     The result feeds ``DataProto.from_single_dict``. Lists (e.g. ``raw_prompt_ids`` of equal lengths)
-    stay one object per row instead of becoming a 2-D array.
+    stay one object per row instead of becoming a 2-D array. Columns of left padding shared by every
+    row are dropped (prompts are as wide as the batch's longest, at most ``max_prompt_length``): every
+    forward pass of the step would otherwise pay for them.
     """
     tensors: dict[str, list] = defaultdict(list)
     others: dict[str, list] = defaultdict(list)
@@ -76,6 +91,7 @@ def collate_fn(rows: list[dict]) -> dict:
         for key, value in row.items():
             (tensors if isinstance(value, torch.Tensor) else others)[key].append(value)
     out: dict[str, Any] = {key: torch.stack(values) for key, values in tensors.items()}
+    out.update(trim_shared_left_padding({k: out[k] for k in PROMPT_TENSOR_KEYS if k in out}))
     for key, values in others.items():
         array = np.empty(len(values), dtype=object)
         for i, value in enumerate(values):

@@ -69,3 +69,11 @@ class SFTDataset:
             "position_ids": torch.tensor(list(range(len(ids))) + [0] * pad, dtype=torch.long),
             "loss_mask": torch.tensor(loss_mask[: len(ids)] + [0] * pad, dtype=torch.long),
         }
+
+
+def collate_sft(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack rows and drop trailing columns that are padding in every row (the batch is as wide as
+    its longest example, not ``max_length``)."""
+    batch = {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+    width = int(batch["attention_mask"].sum(dim=-1).max())
+    return {key: value[:, :width] for key, value in batch.items()}
