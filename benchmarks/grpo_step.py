@@ -51,18 +51,33 @@ def default_assets(work: Path) -> tuple[str, str]:
 
 def overrides(args: argparse.Namespace, model: str, train: str) -> list[str]:
     use_kl = args.kl_coef > 0
+    micro = max(1, args.prompts * args.n // args.workers // 4)  # 4 micro-batches per mini-batch
     return [
-        f"data.train_files={train}", f"data.val_files={train}", f"actor_rollout_ref.model.path={model}",
-        f"data.train_batch_size={args.prompts}", f"data.max_prompt_length={args.max_prompt_length}",
-        f"data.max_response_length={args.max_response_length}", "data.filter_overlong_prompts=true",
-        f"actor_rollout_ref.rollout.n={args.n}", f"actor_rollout_ref.rollout.name={args.rollout}",
+        f"data.train_files={train}",
+        f"data.val_files={train}",
+        f"actor_rollout_ref.model.path={model}",
+        f"data.train_batch_size={args.prompts}",
+        f"data.max_prompt_length={args.max_prompt_length}",
+        f"data.max_response_length={args.max_response_length}",
+        "data.filter_overlong_prompts=true",
+        f"actor_rollout_ref.rollout.n={args.n}",
+        f"actor_rollout_ref.rollout.name={args.rollout}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={max(1, args.prompts * args.n // args.workers // 4)}",
-        f"actor_rollout_ref.actor.optim.lr={args.lr}", f"actor_rollout_ref.actor.use_kl_loss={use_kl}",
-        f"actor_rollout_ref.actor.kl_loss_coef={args.kl_coef}", "algorithm.adv_estimator=grpo",
-        f"trainer.total_training_steps={args.steps}", "trainer.val_before_train=false", "trainer.test_freq=-1",
-        "trainer.save_freq=-1", "trainer.logger=[jsonl]", "trainer.progress_bar=false", "trainer.plot_curves=false",
-        f"trainer.n_gpus_per_node={args.workers}", "trainer.resume_mode=disable", *args.extra,
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
+        f"actor_rollout_ref.actor.optim.lr={args.lr}",
+        f"actor_rollout_ref.actor.use_kl_loss={use_kl}",
+        f"actor_rollout_ref.actor.kl_loss_coef={args.kl_coef}",
+        "algorithm.adv_estimator=grpo",
+        f"trainer.total_training_steps={args.steps}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.logger=[jsonl]",
+        "trainer.progress_bar=false",
+        "trainer.plot_curves=false",
+        f"trainer.n_gpus_per_node={args.workers}",
+        "trainer.resume_mode=disable",
+        *args.extra,
     ]
 
 
@@ -73,15 +88,25 @@ def summarise(records: list[dict], args: argparse.Namespace) -> dict:
     phases = sorted({k for r in timed for k in r if k.startswith("timing_s/")})
     worker_rss = max(r.get("perf/cpu_memory_used_gb", 0.0) for r in records)
     return {
-        "benchmark": "grpo_step", "rollout": args.rollout, "steps_timed": len(timed), "prompts": args.prompts,
-        "n": args.n, "max_response_length": args.max_response_length, "workers": args.workers,
-        "tokens_per_s": round(tokens / wall, 1), "step_s": round(wall / len(timed), 3),
-        "phase_s": {p.removeprefix("timing_s/"): round(sum(r.get(p, 0.0) for r in timed) / len(timed), 4)
-                    for p in phases},
+        "benchmark": "grpo_step",
+        "rollout": args.rollout,
+        "steps_timed": len(timed),
+        "prompts": args.prompts,
+        "n": args.n,
+        "max_response_length": args.max_response_length,
+        "workers": args.workers,
+        "tokens_per_s": round(tokens / wall, 1),
+        "step_s": round(wall / len(timed), 3),
+        "phase_s": {
+            p.removeprefix("timing_s/"): round(sum(r.get(p, 0.0) for r in timed) / len(timed), 4)
+            for p in phases
+        },
         "mean_reward": round(sum(r["critic/score/mean"] for r in timed) / len(timed), 4),
         "response_length_mean": round(sum(r["response_length/mean"] for r in timed) / len(timed), 2),
-        "peak_rss_gb": {"worker": round(worker_rss, 3),
-                        "driver": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)},
+        "peak_rss_gb": {
+            "worker": round(worker_rss, 3),
+            "driver": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+        },
     }
 
 
@@ -92,7 +117,9 @@ def main(argv=None) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model, train = (args.model, args.train_file) if args.model and args.train_file else default_assets(work)
+        model, train = (
+            (args.model, args.train_file) if args.model and args.train_file else default_assets(work)
+        )
         os.chdir(work)
         start = time.time()
         run_ppo(load_config(overrides(args, model, train)))

@@ -35,17 +35,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--b-digits", type=int, default=1, help="digits of the second operand (first: 2)")
     parser.add_argument("--sft-examples", type=int, default=12800)
-    parser.add_argument("--sft-steps", type=int, default=400)
-    parser.add_argument("--sft-lr", type=float, default=3e-3)
-    parser.add_argument("--teacher-carry-error-rate", type=float, default=0.85)
-    parser.add_argument("--grpo-steps", type=int, default=100)
+    parser.add_argument("--sft-steps", type=int, default=450)
+    parser.add_argument("--sft-lr", type=float, default=1e-3)
+    parser.add_argument("--teacher-carry-error-rate", type=float, default=0.7)
+    parser.add_argument("--grpo-steps", type=int, default=40)
     parser.add_argument("--prompts-per-step", type=int, default=32)
     parser.add_argument("--n", type=int, default=8, help="responses per prompt (GRPO group size)")
     parser.add_argument("--lr", type=float, default=2e-4, help="GRPO learning rate")
     parser.add_argument("--num-test", type=int, default=200)
-    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--hidden-size", type=int, default=192)
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--workers", type=int, default=2, help="worker processes (one per CPU core)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the task data, the model init and SFT")
+    parser.add_argument("--sft-model", help="reuse this warm-started model directory instead of running SFT")
     return parser.parse_args(argv)
 
 
@@ -59,13 +61,16 @@ def prepare(args: argparse.Namespace, out: Path) -> tuple[Path, Path, Path, Path
         write_sft_dataset,
     )
 
-    task = ArithmeticTaskConfig(num_test=args.num_test, b_digits=(args.b_digits, args.b_digits), instruction="")
+    task = ArithmeticTaskConfig(
+        num_test=args.num_test, b_digits=(args.b_digits, args.b_digits), instruction="", seed=args.seed
+    )
     train, test = write_rl_dataset(out / "data", task)
     sft = write_sft_dataset(
         out / "data",
         task,
         num_examples=args.sft_examples,
         teacher_carry_error_rate=args.teacher_carry_error_rate,
+        seed=args.seed + 1,
     )
     model = build_tiny_model(
         out / "base_model",
@@ -73,6 +78,7 @@ def prepare(args: argparse.Namespace, out: Path) -> tuple[Path, Path, Path, Path
         hidden_size=args.hidden_size,
         num_layers=args.num_layers,
         intermediate_size=args.hidden_size * 3,
+        seed=args.seed,
     )
     return Path(train), Path(test), Path(sft), Path(model)
 
@@ -92,6 +98,7 @@ def warm_start(args: argparse.Namespace, out: Path, sft_file: Path, base_model: 
             "data.train_batch_size=128",
             f"data.micro_batch_size_per_gpu={128 // args.workers}",
             f"optim.lr={args.sft_lr}",
+            f"data.seed={args.seed + 1}",
         ],
         config_name="sft_trainer",
     )
@@ -159,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"[quickstart] writing task data and the tiny model under {out}")
     train, test, sft_file, base_model = prepare(args, out)
     print("[quickstart] supervised warm start (weak teacher)")
-    sft_model = warm_start(args, out, sft_file, base_model)
+    sft_model = Path(args.sft_model) if args.sft_model else warm_start(args, out, sft_file, base_model)
     print("[quickstart] GRPO")
     grpo(args, out, train, test, sft_model)
     summary = summarise(out, time.time() - start)

@@ -22,21 +22,15 @@ def main(config: DictConfig) -> None:
 
 def run_ppo(config: DictConfig, worker_groups=None) -> dict[str, float]:
     """Validate, start Ray if needed, build data/reward/workers, train. Returns the last metrics."""
-    import ray
     import torch
 
     from hybridflow.trainer.config import validate_config
+    from hybridflow.trainer.ppo.workers_setup import ensure_ray
 
     OmegaConf.resolve(config)
     validate_config(config)
     torch.set_num_threads(1)  # the driver only moves batches and does light maths
-    if not ray.is_initialized():
-        ray.init(
-            address=config.ray_init.address,
-            num_cpus=config.ray_init.num_cpus,
-            include_dashboard=False,
-            configure_logging=False,
-        )
+    ensure_ray(config.ray_init)
     trainer = build_trainer(config, worker_groups)
     try:
         trainer.init_workers()

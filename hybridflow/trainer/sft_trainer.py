@@ -21,14 +21,13 @@ def main(config: DictConfig) -> None:
 
 def run_sft(config: DictConfig) -> list[dict[str, float]]:
     """Train and save the model; returns every step's metrics."""
-    import ray
     import torch
     from tqdm import tqdm
 
     from hybridflow.models.loading import load_tokenizer
     from hybridflow.protocol import DataProto
     from hybridflow.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
-    from hybridflow.trainer.ppo.workers_setup import build_resource_pool
+    from hybridflow.trainer.ppo.workers_setup import build_resource_pool, ensure_ray
     from hybridflow.utils.dataset import StatefulDataLoader
     from hybridflow.utils.dataset.sft_dataset import SFTDataset, collate_sft
     from hybridflow.utils.tracking import Tracking
@@ -58,13 +57,7 @@ def run_sft(config: DictConfig) -> list[dict[str, float]]:
     total_steps = int(config.trainer.total_training_steps or len(loader) * int(config.trainer.total_epochs))
     with open_dict(config):
         config.optim.total_training_steps = total_steps
-    if not ray.is_initialized():
-        ray.init(
-            address=config.ray_init.address,
-            num_cpus=config.ray_init.num_cpus,
-            include_dashboard=False,
-            configure_logging=False,
-        )
+    ensure_ray(config.ray_init)
     wg = RayWorkerGroup(
         build_resource_pool(config.trainer),
         RayClassWithInitArgs(SFTWorker, config),

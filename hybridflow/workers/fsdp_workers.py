@@ -73,11 +73,23 @@ class FSDPWorkerBase(Worker):
         self.register_dispatch_collect_info("dp", dp_rank=self.rank, is_collect=True)
         self.checkpoint_manager = None
 
-    def _save(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
-        self.checkpoint_manager.save_checkpoint(local_path, global_step, max_ckpt_to_keep=max_ckpt_to_keep)
+    def _manager(self):
+        if self.checkpoint_manager is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has no trainable model to checkpoint (call init_model first)"
+            )
+        return self.checkpoint_manager
 
-    def _load(self, local_path: str) -> None:
-        self.checkpoint_manager.load_checkpoint(local_path)
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(
+        self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None
+    ) -> None:
+        """Sharded model + optimizer + scheduler + RNG states into ``local_path`` (collective, atomic)."""
+        self._manager().save_checkpoint(local_path, global_step, max_ckpt_to_keep=max_ckpt_to_keep)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, local_path: str) -> None:
+        self._manager().load_checkpoint(local_path)
 
 
 class ActorRolloutRefWorker(FSDPWorkerBase):
@@ -200,16 +212,6 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         )
         return DataProto(meta_info={"metrics": metrics})
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(
-        self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None
-    ) -> None:
-        self._save(local_path, global_step, max_ckpt_to_keep)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, local_path: str) -> None:
-        self._load(local_path)
-
 
 class CriticWorker(FSDPWorkerBase):
     """The value model: the LM with a one-unit token-classification head."""
@@ -252,13 +254,3 @@ class CriticWorker(FSDPWorkerBase):
         self.critic_parts.lr_scheduler.step()
         metrics["critic/lr"] = lr
         return DataProto(meta_info={"metrics": metrics})
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(
-        self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None
-    ) -> None:
-        self._save(local_path, global_step, max_ckpt_to_keep)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, local_path: str) -> None:
-        self._load(local_path)

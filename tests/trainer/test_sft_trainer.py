@@ -28,10 +28,19 @@ def test_sft_run_lowers_loss_and_saves_hf_model(ray_session, tiny_model_dir, tmp
 
     data = write_sft_dataset(tmp_path, ArithmeticTaskConfig(num_train=64, num_test=4), num_examples=64)
     target = tmp_path / "sft_model"
-    config = load_config([f"data.train_files={data}", f"model.path={tiny_model_dir}",
-                          f"trainer.default_local_dir={target}", "trainer.total_training_steps=8",
-                          "trainer.log_freq=1", "data.train_batch_size=16", "data.micro_batch_size_per_gpu=4",
-                          "optim.lr=3e-3"], config_name="sft_trainer")
+    config = load_config(
+        [
+            f"data.train_files={data}",
+            f"model.path={tiny_model_dir}",
+            f"trainer.default_local_dir={target}",
+            "trainer.total_training_steps=8",
+            "trainer.log_freq=1",
+            "data.train_batch_size=16",
+            "data.micro_batch_size_per_gpu=4",
+            "optim.lr=3e-3",
+        ],
+        config_name="sft_trainer",
+    )
     history = run_sft(config)
     assert len(history) == 8
     assert history[-1]["train/loss"] < history[0]["train/loss"]

@@ -82,8 +82,9 @@ def compute_data_metrics(batch: DataProto, use_critic: bool = True) -> dict[str,
     Sequence score/reward = sum over the response of ``token_level_scores``/``token_level_rewards``,
     taken over non-aborted rows (response length > 0) as verl does, or all rows if every one aborted.
     Advantages, returns and values are over valid response tokens. ``meta_info["max_prompt_length"]``,
-    when present, is the limit ``prompt_length/clip_ratio`` counts against (else the prompt width). ``critic/vf_explained_var`` is
-    ``1 - Var(returns - values) / (Var(returns) + 1e-5)`` with unbiased variances.
+    when present, is the limit ``prompt_length/clip_ratio`` counts against (else the prompt width).
+    ``critic/vf_explained_var`` is ``1 - Var(returns - values) / (Var(returns) + 1e-5)`` with unbiased
+    variances.
     """
     data = batch.batch
     prompt_length, response_length, t_p, t_r = _lengths(batch)

@@ -171,25 +171,13 @@ class RayPPOTrainer:
     def generate(self, prompts: DataProto, timing: dict) -> DataProto:
         """Prompts (B) → B x n rows of prompt + response; rows of one prompt share a ``uid``."""
         n = int(self.config.actor_rollout_ref.rollout.n)
-        prompts.non_tensor_batch[keys.UID] = np.array(
-            [str(uuid.uuid4()) for _ in range(len(prompts))], dtype=object
-        )
-        prompts = prompts.repeat(n, interleave=True)
-        gen_input = prompts.select(
-            batch_keys=[keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS],
-            non_tensor_batch_keys=[],
-            meta_info_keys=[],
-        )
-        gen_input.meta_info = {"global_steps": self.global_steps, "do_sample": True}
-        output = self.wg.actor_rollout.generate_sequences(gen_input)
-        timing.update({k: sum(v) / len(v) for k, v in output.meta_info.pop("metrics", {}).items()})
-        prompts.pop(batch_keys=[keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS])
-        return prompts.union(output)
+        meta = {"global_steps": self.global_steps, "do_sample": True}
+        return rollout_with_uids(self.wg.actor_rollout, prompts, n, meta, timing)
 
     def compute_reward(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
         """``token_level_scores`` (B, T_r): reward-model scores and/or the rule reward function."""
         with marked_timer("reward", timing):
-            if self.wg.reward_model is not None:
+            if self.config.reward_model.enable:
                 batch = batch.union(self.wg.reward_model.compute_rm_score(batch))
             result = self.reward_fn(batch, return_dict=True)
         batch.batch[keys.TOKEN_LEVEL_SCORES] = result["reward_tensor"]
@@ -286,6 +274,24 @@ class RayPPOTrainer:
     def _log(self, metrics: dict, step: int) -> None:
         if self.tracker is not None and metrics:
             self.tracker.log(data=metrics, step=step)
+
+
+PROMPT_INPUT_KEYS = [keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS]
+
+
+def rollout_with_uids(actor_rollout, prompts: DataProto, n: int, meta_info: dict, timing: dict) -> DataProto:
+    """Give each prompt a ``uid``, repeat it ``n`` times, generate, and join responses to the prompt rows.
+
+    Only the prompt tensors travel to the rollout workers; the rest of the batch (ground truths, data
+    sources, ...) stays on the controller and is re-attached to the output."""
+    prompts.non_tensor_batch[keys.UID] = _object_array([str(uuid.uuid4()) for _ in range(len(prompts))])
+    prompts = prompts.repeat(n, interleave=True)
+    gen_input = prompts.select(batch_keys=PROMPT_INPUT_KEYS, non_tensor_batch_keys=[], meta_info_keys=[])
+    gen_input.meta_info = dict(meta_info)
+    output = actor_rollout.generate_sequences(gen_input)
+    timing.update({k: sum(v) / len(v) for k, v in output.meta_info.pop("metrics", {}).items()})
+    prompts.pop(batch_keys=PROMPT_INPUT_KEYS)
+    return prompts.union(output)
 
 
 def _object_array(values) -> np.ndarray:

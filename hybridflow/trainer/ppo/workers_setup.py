@@ -55,6 +55,19 @@ class WorkerGroups:
         self.base.shutdown()
 
 
+def ensure_ray(ray_init_cfg) -> None:
+    """Start (``address: local``) or join (``auto`` / an address) Ray unless this process already has."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            address=ray_init_cfg.address,
+            num_cpus=ray_init_cfg.num_cpus,
+            include_dashboard=False,
+            configure_logging=False,
+        )
+
+
 def actor_role(use_reference: bool) -> str:
     return "actor_rollout_ref" if use_reference else "actor_rollout"
 

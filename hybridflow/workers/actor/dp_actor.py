@@ -26,6 +26,7 @@ from hybridflow.algorithms import (
 )
 from hybridflow.protocol import DataProto
 from hybridflow.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+from hybridflow.workers.forward import response_outputs
 from hybridflow.workers.fsdp_utils import grad_norm_and_clip
 from hybridflow.workers.micro_batch import restore_order, split_micro_batches
 
@@ -42,14 +43,7 @@ _POLICY_LOSS_KEYS = (
 
 def forward_response_logits(model: nn.Module, micro: DataProto, temperature: float) -> torch.Tensor:
     """Logits predicting each response token: (b, T_r, V), divided by the sampling temperature."""
-    response_len = micro.batch[keys.RESPONSES].shape[1]
-    output = model(
-        input_ids=micro.batch[keys.INPUT_IDS],
-        attention_mask=micro.batch[keys.ATTENTION_MASK],
-        position_ids=micro.batch[keys.POSITION_IDS],
-        use_cache=False,
-    )
-    logits = output.logits[:, -response_len - 1 : -1, :].float()
+    logits = response_outputs(model, micro)
     return logits / temperature if temperature not in (0, 1.0) else logits
 
 

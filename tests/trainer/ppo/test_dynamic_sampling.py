@@ -45,8 +45,14 @@ def test_batches_with_different_prompt_widths_are_aligned():
     def gen(width: int) -> DataProto:
         prompt = torch.ones(2, width, dtype=torch.long)
         full = torch.cat([prompt, torch.full((2, 3), 7)], dim=1)
-        return DataProto.from_dict({"prompts": prompt, "input_ids": full, "attention_mask": torch.ones_like(full),
-                                    "position_ids": torch.arange(width + 3).expand(2, -1).clone()})
+        return DataProto.from_dict(
+            {
+                "prompts": prompt,
+                "input_ids": full,
+                "attention_mask": torch.ones_like(full),
+                "position_ids": torch.arange(width + 3).expand(2, -1).clone(),
+            }
+        )
 
     joined = DataProto.concat(align_prompt_widths([gen(2), gen(4)]))
     assert joined.batch["input_ids"].shape == (4, 7)

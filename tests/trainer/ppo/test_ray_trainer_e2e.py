@@ -72,7 +72,12 @@ def _metrics(log_dir: Path) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def worker_groups(ray_session, tiny_model_dir, arithmetic_data, tmp_path_factory):
     """Colocated 2-rank groups built from the shared worker-side settings used by every run below."""
-    config = _config(tiny_model_dir, arithmetic_data, tmp_path_factory.mktemp("wg"))
+    config = _config(
+        tiny_model_dir,
+        arithmetic_data,
+        tmp_path_factory.mktemp("wg"),
+        **{"reward_model.enable": True, "reward_model.model.path": tiny_model_dir},
+    )
     groups = build_worker_groups(config, use_critic=True, use_reference=True)
     yield groups
     groups.shutdown()
@@ -261,3 +266,23 @@ def test_ppo_with_critic_runs_and_logs_value_metrics(
         "actor/reward_kl_penalty_coeff",
     ):
         assert key in last and math.isfinite(last[key]), key
+
+
+def test_reward_model_scores_the_last_response_token(worker_groups, reference_run, tiny_model_dir):
+    from transformers import AutoModelForSequenceClassification
+
+    rollout = reference_run["greedy"]
+    rollout.meta_info = {}
+    scores = worker_groups.reward_model.compute_rm_score(rollout).batch["rm_scores"]
+    lengths = rollout.batch["response_mask"].sum(-1)
+    torch.manual_seed(0)  # the workers seed the freshly initialised score head the same way
+    reference = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    reference.config.pad_token_id = 3
+    expected = reference(
+        input_ids=rollout.batch["input_ids"],
+        attention_mask=rollout.batch["attention_mask"],
+        position_ids=rollout.batch["position_ids"],
+    ).logits[:, 0]
+    for row, length in enumerate(lengths.tolist()):
+        assert scores[row].nonzero().flatten().tolist() in ([length - 1], [])
+        assert scores[row, length - 1].item() == pytest.approx(expected[row].item(), abs=1e-4)
