@@ -195,15 +195,17 @@ def build_tiny_model(
     return out
 
 
+def _int_fields() -> list[str]:
+    """The integer sizes of :class:`TinyModelSpec`, each a ``--flag`` of the CLI."""
+    return [k for k, v in asdict(TinyModelSpec()).items() if isinstance(v, int) and not isinstance(v, bool)]
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     defaults = asdict(TinyModelSpec())
     parser = argparse.ArgumentParser(description="Build a tiny random causal LM + tokenizer offline.")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--arch", default="qwen2", choices=CONFIG_BUILDERS.names())
-    int_fields = [
-        name for name, value in defaults.items() if isinstance(value, int) and not isinstance(value, bool)
-    ]
-    for name in int_fields:
+    for name in _int_fields():
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=defaults[name])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--untie-word-embeddings", action="store_true")
@@ -212,18 +214,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
+    sizes = {name: getattr(args, name) for name in _int_fields()}
     path = build_tiny_model(
-        args.out,
-        arch=args.arch,
-        hidden_size=args.hidden_size,
-        num_layers=args.num_layers,
-        num_heads=args.num_heads,
-        num_kv_heads=args.num_kv_heads,
-        intermediate_size=args.intermediate_size,
-        max_position_embeddings=args.max_position_embeddings,
-        vocab_size=args.vocab_size,
-        seed=args.seed,
-        tie_word_embeddings=not args.untie_word_embeddings,
+        args.out, arch=args.arch, seed=args.seed, tie_word_embeddings=not args.untie_word_embeddings, **sizes
     )
     print(f"wrote {path}")
 

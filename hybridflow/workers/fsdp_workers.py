@@ -172,14 +172,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs`` and ``entropys`` (B, T_r) under the current actor weights."""
         data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
-        rollout_cfg = self.config.rollout
-        log_probs, entropy = self.actor.compute_log_prob(
-            data,
-            rollout_cfg.log_prob_micro_batch_size_per_gpu,
-            rollout_cfg.log_prob_use_dynamic_bsz,
-            rollout_cfg.log_prob_max_token_len_per_gpu,
-            calculate_entropy=True,
-        )
+        log_probs, entropy = self.actor.compute_log_prob(data, self.config.rollout, calculate_entropy=True)
         return DataProto.from_dict(
             {keys.OLD_LOG_PROBS: log_probs, "entropys": entropy},
             meta_info={"temperature": data.meta_info["temperature"]},
@@ -189,13 +182,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob`` (B, T_r) under the frozen reference policy."""
         data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
-        ref_cfg = self.config.ref
-        log_probs, _ = self.ref_policy.compute_log_prob(
-            data,
-            ref_cfg.log_prob_micro_batch_size_per_gpu,
-            ref_cfg.log_prob_use_dynamic_bsz,
-            ref_cfg.log_prob_max_token_len_per_gpu,
-        )
+        log_probs, _ = self.ref_policy.compute_log_prob(data, self.config.ref)
         return DataProto.from_dict({keys.REF_LOG_PROB: log_probs})
 
     # ------------------------------------------------------------------ training

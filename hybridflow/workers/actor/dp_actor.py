@@ -80,19 +80,19 @@ class DataParallelPPOActor:
         return log_probs, entropy
 
     @torch.no_grad()
-    def compute_log_prob(
-        self,
-        data: DataProto,
-        micro_batch_size: int | None,
-        use_dynamic_bsz: bool = False,
-        max_token_len: int | None = None,
-        calculate_entropy: bool = False,
-    ):
+    def compute_log_prob(self, data: DataProto, batching, calculate_entropy: bool = False):
         """``(log_probs (B, T_r), entropy (B, T_r) | None)`` of ``data[responses]`` under the current
-        weights; ``data.meta_info["temperature"]`` scales the logits as in sampling."""
+        weights; ``data.meta_info["temperature"]`` scales the logits as in sampling. ``batching`` is the
+        config section with ``log_prob_micro_batch_size_per_gpu``, ``log_prob_use_dynamic_bsz`` and
+        ``log_prob_max_token_len_per_gpu`` (``rollout`` or ``ref``)."""
         temperature = float(data.meta_info.get("temperature", 1.0))
         self.module.eval()
-        micros, order = split_micro_batches(data, micro_batch_size, use_dynamic_bsz, max_token_len)
+        micros, order = split_micro_batches(
+            data,
+            batching.log_prob_micro_batch_size_per_gpu,
+            batching.log_prob_use_dynamic_bsz,
+            batching.log_prob_max_token_len_per_gpu,
+        )
         outputs = [self._forward(m, temperature, calculate_entropy) for m in micros]
         log_probs = restore_order(torch.cat([lp for lp, _ in outputs]), order)
         entropy = restore_order(torch.cat([e for _, e in outputs]), order) if calculate_entropy else None
