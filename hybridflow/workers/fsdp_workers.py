@@ -90,6 +90,7 @@ class FSDPWorkerBase(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str) -> None:
         self._manager().load_checkpoint(local_path)
+        self._rollout_weights_stale = getattr(self, "_is_rollout", False)
 
 
 class ActorRolloutRefWorker(FSDPWorkerBase):
@@ -152,6 +153,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             )
         if self._is_rollout:
             self.rollout = get_rollout_cls(cfg.rollout.name)(self.actor_module, cfg.rollout, rank=self.rank)
+            self._rollout_weights_stale = False  # the rollout starts from the actor's current weights
         if self._is_ref:
             ref_module = build_fsdp_module(cfg.model, cfg.ref.fsdp_config, self.device_mesh, trainable=False)
             self.ref_policy = DataParallelPPOActor(cfg.ref, ref_module)
@@ -162,10 +164,20 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         """Prompts (B, T_p) → prompts + responses; see ``hybridflow.workers.rollout.base``."""
         prompts.meta_info.setdefault("eos_token_id", self.eos_token_ids)
         prompts.meta_info.setdefault("pad_token_id", self.tokenizer.pad_token_id)
+        metrics = self._sync_rollout_weights()
         start = time.perf_counter()
         output = self.rollout.generate_sequences(prompts)
-        output.meta_info["metrics"] = {"generate_sequences": time.perf_counter() - start}
+        metrics.update(output.meta_info.pop("metrics", {}))
+        metrics["generate_sequences"] = time.perf_counter() - start
+        output.meta_info["metrics"] = metrics
         return output
+
+    def _sync_rollout_weights(self) -> dict[str, float]:
+        """Hybrid engine: hand the actor's updated weights to the rollout before it generates."""
+        if not self._rollout_weights_stale:
+            return {}
+        self._rollout_weights_stale = False
+        return self.rollout.update_weights()
 
     # ------------------------------------------------------------------ log-probs
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -194,6 +206,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         lr = self.actor_parts.lr_scheduler.get_last_lr()[0]
         metrics = _mean_metrics(self.actor.update_policy(data))
         self.actor_parts.lr_scheduler.step()
+        self._rollout_weights_stale = self._is_rollout
         metrics.update(
             {"actor/lr": lr, "timing_s/update_actor_worker": time.perf_counter() - start, **_memory_metrics()}
         )

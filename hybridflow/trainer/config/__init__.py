@@ -153,7 +153,7 @@ def _check_names(config: DictConfig) -> list[str]:
 
 
 def _check_plugin_names(config: DictConfig) -> list[str]:
-    import hybridflow.workers.rollout.hf_rollout  # noqa: F401  (registers "hf")
+    import hybridflow.workers.rollout  # noqa: F401  (registers the built-in rollouts)
     from hybridflow.workers.reward_manager import REWARD_MANAGERS
     from hybridflow.workers.rollout.base import ROLLOUTS
 

@@ -282,3 +282,18 @@ def compute_rollout_probs_diff(
         f"{prefix}_mean": diff.mean().item(),
         f"{prefix}_std": diff.std().item() if diff.numel() > 1 else 0.0,
     }
+
+
+def rollout_parity_metrics(
+    rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float]:
+    """:func:`compute_rollout_probs_diff` plus the same gap in log-probabilities
+    (``training/rollout_log_probs_diff_max``/``_mean``), which is what parity tolerances bound."""
+    metrics = compute_rollout_probs_diff(rollout_log_probs, old_log_probs, response_mask)
+    log_diff = torch.masked_select(
+        (rollout_log_probs.double() - old_log_probs.double()).abs(), response_mask.bool()
+    )
+    empty = log_diff.numel() == 0
+    metrics["training/rollout_log_probs_diff_max"] = 0.0 if empty else log_diff.max().item()
+    metrics["training/rollout_log_probs_diff_mean"] = 0.0 if empty else log_diff.mean().item()
+    return metrics

@@ -79,6 +79,8 @@ class RayPPOTrainer:
         self.global_steps = 0
         self.wg = worker_groups
         self.checkpointer = TrainerCheckpointer(config.trainer)
+        # rollout.use_rollout_log_probs: becomes true once the engine's log-probs matched a recompute
+        self.rollout_log_probs_verified = False
 
     # ------------------------------------------------------------------ setup
     def init_workers(self) -> None:
@@ -157,22 +159,22 @@ class RayPPOTrainer:
     def collect_rollouts(self, data_iter, metrics: dict, timing: dict) -> DataProto:
         """Generate ``rollout.n`` responses per prompt and score them. With DAPO dynamic sampling,
         keep generating until enough prompt groups have non-zero reward variance."""
-        batch = self.generate(next(data_iter), timing)
+        batch = self.generate(next(data_iter), timing, metrics)
         batch = self.compute_reward(batch, metrics, timing)
         if self.group_filter is None:
             return batch
         return self.group_filter.fill(
             batch,
-            lambda: self.compute_reward(self.generate(next(data_iter), timing), metrics, timing),
+            lambda: self.compute_reward(self.generate(next(data_iter), timing, metrics), metrics, timing),
             self.config.data.train_batch_size,
             metrics,
         )
 
-    def generate(self, prompts: DataProto, timing: dict) -> DataProto:
+    def generate(self, prompts: DataProto, timing: dict, metrics: dict | None = None) -> DataProto:
         """Prompts (B) → B x n rows of prompt + response; rows of one prompt share a ``uid``."""
         n = int(self.config.actor_rollout_ref.rollout.n)
         meta = {"global_steps": self.global_steps, "do_sample": True}
-        return rollout_with_uids(self.wg.actor_rollout, prompts, n, meta, timing)
+        return rollout_with_uids(self.wg.actor_rollout, prompts, n, meta, timing, metrics)
 
     def compute_reward(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
         """``token_level_scores`` (B, T_r): reward-model scores and/or the rule reward function."""
@@ -194,9 +196,25 @@ class RayPPOTrainer:
         metrics.update(log_seqlen_unbalance(seqlens, parts, prefix="global_seqlen"))
 
     def compute_old_log_prob(self, batch: DataProto, metrics: dict) -> DataProto:
+        """``old_log_probs`` from a forward pass of the actor — or, with ``rollout.use_rollout_log_probs``
+        and once the engine's log-probs have matched that forward within
+        ``rollout.log_prob_parity_tolerance``, the rollout's own log-probs (one forward pass saved)."""
+        rollout_cfg = self.config.actor_rollout_ref.rollout
+        rollout_log_probs = batch.batch.get(keys.ROLLOUT_LOG_PROBS, None)
+        if rollout_log_probs is not None and self.rollout_log_probs_verified:
+            batch.batch[keys.OLD_LOG_PROBS] = rollout_log_probs.clone()
+            return batch
         output = self.wg.actor_rollout.compute_log_prob(batch)
         entropys = output.pop(batch_keys=["entropys"]).batch["entropys"]
-        metrics["actor/entropy"] = float(masked_mean(entropys, batch.batch[keys.RESPONSE_MASK].float()))
+        response_mask = batch.batch[keys.RESPONSE_MASK]
+        metrics["actor/entropy"] = float(masked_mean(entropys, response_mask.float()))
+        if rollout_log_probs is not None:
+            old_log_probs = output.batch[keys.OLD_LOG_PROBS]
+            parity = metric_utils.rollout_parity_metrics(rollout_log_probs, old_log_probs, response_mask)
+            metrics.update(parity)
+            tolerance = float(rollout_cfg.get("log_prob_parity_tolerance", 1e-5))
+            if rollout_cfg.get("use_rollout_log_probs", False):
+                self.rollout_log_probs_verified = parity["training/rollout_log_probs_diff_max"] <= tolerance
         return batch.union(output.select(batch_keys=[keys.OLD_LOG_PROBS], meta_info_keys=[]))
 
     def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
@@ -279,7 +297,9 @@ class RayPPOTrainer:
 PROMPT_INPUT_KEYS = [keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS]
 
 
-def rollout_with_uids(actor_rollout, prompts: DataProto, n: int, meta_info: dict, timing: dict) -> DataProto:
+def rollout_with_uids(
+    actor_rollout, prompts: DataProto, n: int, meta_info: dict, timing: dict, metrics: dict | None = None
+) -> DataProto:
     """Give each prompt a ``uid``, repeat it ``n`` times, generate, and join responses to the prompt rows.
 
     Only the prompt tensors travel to the rollout workers; the rest of the batch (ground truths, data
@@ -289,7 +309,11 @@ def rollout_with_uids(actor_rollout, prompts: DataProto, n: int, meta_info: dict
     gen_input = prompts.select(batch_keys=PROMPT_INPUT_KEYS, non_tensor_batch_keys=[], meta_info_keys=[])
     gen_input.meta_info = dict(meta_info)
     output = actor_rollout.generate_sequences(gen_input)
-    timing.update({k: sum(v) / len(v) for k, v in output.meta_info.pop("metrics", {}).items()})
+    for key, values in output.meta_info.pop("metrics", {}).items():
+        if "/" not in key:  # phase seconds, averaged over ranks -> timing_s/<key>
+            timing[key] = sum(values) / len(values)
+        elif metrics is not None:  # e.g. perf/update_weights_peak_extra_mb: the worst rank
+            metrics[key] = max(values)
     prompts.pop(batch_keys=PROMPT_INPUT_KEYS)
     return prompts.union(output)
 

@@ -38,11 +38,23 @@ class BaseRollout(ABC):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """See the module docstring for the keys in and out."""
 
+    def update_weights(self) -> dict[str, float]:
+        """Refresh the rollout's weights from the actor after an update (a collective: every rank
+        calls it). Returns metrics (``update_weights`` seconds, ...). No-op for rollouts that run on
+        the actor's own module."""
+        return {}
+
     def release(self) -> None:  # noqa: B027 (optional hook)
         """Free generation-only memory (KV cache) between phases. No-op by default."""
 
     def resume(self) -> None:  # noqa: B027 (optional hook)
         """Re-create what :meth:`release` freed. No-op by default."""
+
+
+def generation_seed(base_seed: int, step: int, rank: int) -> int:
+    """Seed for one generate call: a function of (seed, step, rank) only, so a resumed run samples
+    exactly what an uninterrupted one would."""
+    return (int(base_seed) * 1_000_003 + int(step) * 7_919 + int(rank)) % (2**31 - 1)
 
 
 def sampling_params(config, meta_info: dict) -> dict:

@@ -13,13 +13,13 @@ from torch import nn
 from hybridflow import keys
 from hybridflow.protocol import DataProto
 from hybridflow.workers.fsdp_utils import gathered_for_inference
-from hybridflow.workers.rollout.base import BaseRollout, assemble_output, register_rollout, sampling_params
-
-
-def generation_seed(base_seed: int, step: int, rank: int) -> int:
-    """Seed for one generate call: a function of (seed, step, rank) only, so a resumed run samples
-    exactly what an uninterrupted one would."""
-    return (int(base_seed) * 1_000_003 + int(step) * 7_919 + int(rank)) % (2**31 - 1)
+from hybridflow.workers.rollout.base import (
+    BaseRollout,
+    assemble_output,
+    generation_seed,
+    register_rollout,
+    sampling_params,
+)
 
 
 @register_rollout("hf")

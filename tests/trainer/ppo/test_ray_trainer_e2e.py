@@ -161,10 +161,44 @@ def test_grpo_run_logs_finite_verl_metrics(reference_run):
         "perf/mfu/actor",
         "perf/cpu_memory_used_gb",
         "val-core/hybridflow/arithmetic/reward/mean@1",
+        "timing_s/update_weights",
+        "perf/update_weights_peak_extra_mb",
+        "training/rollout_probs_diff_max",
+        "training/rollout_log_probs_diff_max",
     ):
         assert key in step, key
         assert math.isfinite(step[key]), key
     assert "critic/vf_loss" not in step  # GRPO: no critic
+    # the engine (2 ranks, weights synced from the sharded actor) agrees with the actor's recompute
+    for record in metrics.values():
+        if "training/rollout_log_probs_diff_max" in record:
+            assert record["training/rollout_log_probs_diff_max"] <= 1e-5
+    # one gathered parameter at a time: the largest is the (vocab x hidden) embedding
+    assert step["perf/update_weights_peak_extra_mb"] <= 512 * 64 * 4 / 2**20
+
+
+def test_rollout_log_probs_replace_the_recompute_once_they_match(
+    worker_groups, tiny_model_dir, arithmetic_data, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    config = _config(
+        tiny_model_dir,
+        arithmetic_data,
+        tmp_path,
+        **{
+            "critic.enable": False,
+            "trainer.total_training_steps": 3,
+            "trainer.experiment_name": "bypass",
+            "actor_rollout_ref.rollout.use_rollout_log_probs": True,
+        },
+    )
+    run_ppo(config, worker_groups=worker_groups)
+    metrics = _metrics(tmp_path / "outputs" / "hybridflow" / "bypass")
+    assert metrics[1]["training/rollout_log_probs_diff_max"] <= 1e-5  # checked against a recompute
+    for step in (2, 3):  # then the recompute (and its entropy) is skipped
+        assert "training/rollout_log_probs_diff_max" not in metrics[step]
+        assert "actor/entropy" not in metrics[step]
+        assert math.isfinite(metrics[step]["actor/pg_loss"])
 
 
 def test_checkpoints_written_atomically_with_tracker(reference_run):

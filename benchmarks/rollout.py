@@ -1,0 +1,146 @@
+"""Rollout throughput: the embedded engine vs Hugging Face ``generate`` on the same model and prompts.
+
+Both generate ``--prompts`` prompts x ``--n`` samples x ``--new-tokens`` tokens (prompt lengths drawn
+uniformly from ``--min-prompt``..``--max-prompt``) with the same sampling settings, in one process
+with the same torch threads. HF ``generate`` gets every row in one left-padded batch (its fastest
+setting here); the engine gets the prompts once with ``n`` samples each, as the rollout does.
+EOS is ignored by both, so both generate exactly the same number of tokens.
+
+    python benchmarks/rollout.py --model tiny      # the quickstart-sized model
+    python benchmarks/rollout.py --model llama100m # a ~100M-parameter Llama config (random init)
+
+Prints one JSON line: tokens/s of each, their ratio, and the engine's settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+MODELS = {
+    # name -> LlamaConfig kwargs (None: the built-in tiny model)
+    "tiny": None,
+    "llama100m": dict(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        intermediate_size=2048,
+        vocab_size=32000,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def build_model(name: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if MODELS[name] is None:
+        from hybridflow.models.tiny import build_tiny_model
+
+        path = build_tiny_model(
+            os.path.join(tempfile.mkdtemp(), "tiny"), hidden_size=192, intermediate_size=512
+        )
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**MODELS[name])).to(dtype)
+    return model.eval()
+
+
+def make_prompts(args, vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(args.seed)
+    lengths = torch.randint(args.min_prompt, args.max_prompt + 1, (args.prompts,), generator=gen)
+    return [torch.randint(4, vocab, (int(n),), generator=gen).tolist() for n in lengths]
+
+
+def hf_generate(model, prompts: list[list[int]], args, pad_id: int) -> tuple[int, float]:
+    rows = [p for p in prompts for _ in range(args.n)]
+    width = max(len(p) for p in rows)
+    input_ids = torch.full((len(rows), width), pad_id)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, p in enumerate(rows):
+        input_ids[i, width - len(p) :] = torch.tensor(p)
+        attention_mask[i, width - len(p) :] = 1
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=args.new_tokens,
+            min_new_tokens=args.new_tokens,
+            do_sample=True,
+            temperature=args.temperature,
+            top_k=0,
+            top_p=1.0,
+            pad_token_id=pad_id,
+        )
+    elapsed = time.perf_counter() - start
+    return (out.shape[1] - width) * len(rows), elapsed
+
+
+def engine_generate(model, prompts: list[list[int]], args) -> tuple[int, float, dict]:
+    from hybridflow.workers.rollout.engine import EngineModel, LLMEngine, SamplingParams
+
+    max_len = args.max_prompt + args.new_tokens
+    engine_model = EngineModel.from_hf_module(model, max_len, dtype=model.dtype)
+    engine = LLMEngine(engine_model, max_num_seqs=args.max_num_seqs, max_model_len=max_len, eos_token_ids=[])
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, ignore_eos=True)
+    start = time.perf_counter()
+    results = engine.generate_batch(prompts, params, n=args.n)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(c.token_ids) for r in results for c in r.completions)
+    return tokens, elapsed, dict(engine.stats)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--min-prompt", type=int, default=16)
+    parser.add_argument("--max-prompt", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-hf", action="store_true", help="time only the engine")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    model = build_model(args.model, dtype)
+    prompts = make_prompts(args, model.config.vocab_size)
+    params = sum(p.numel() for p in model.parameters())
+    engine_tokens, engine_s, stats = engine_generate(model, prompts, args)
+    result = {
+        "model": args.model,
+        "params_m": round(params / 1e6, 1),
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "rows": args.prompts * args.n,
+        "new_tokens": args.new_tokens,
+        "engine_tok_s": round(engine_tokens / engine_s, 1),
+        "engine_s": round(engine_s, 2),
+        "engine_stats": stats,
+    }
+    if not args.skip_hf:
+        hf_tokens, hf_s = hf_generate(model, prompts, args, pad_id=0)
+        result.update(hf_tok_s=round(hf_tokens / hf_s, 1), hf_s=round(hf_s, 2))
+        result["ratio"] = round(result["engine_tok_s"] / result["hf_tok_s"], 2)
+    json.dump(result, sys.stdout)
+    print()
+
+
+if __name__ == "__main__":
+    main()

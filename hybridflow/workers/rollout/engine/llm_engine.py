@@ -1,0 +1,303 @@
+"""The embedded generation engine: a continuous-batching scheduler over :class:`EngineModel`.
+
+Each :meth:`LLMEngine.step` admits waiting requests into free cache slots (the ``n`` samples of a
+request share one prompt prefill), then decodes one token for every running sequence. Sequences
+leave the batch the step they finish, and new requests join at the next step, so a long sequence
+never holds up the rest. Two ways in:
+
+- :meth:`LLMEngine.generate_batch` — a list of prompts in, their completions out (the rollout's path);
+- ``await engine.generate(prompt_ids, params)`` — one request; many concurrent calls (multi-turn
+  conversations) share the running batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridflow.workers.rollout.engine.kv_cache import KVCache
+from hybridflow.workers.rollout.engine.model import EngineModel
+from hybridflow.workers.rollout.engine.sampling import SamplingParams, choose_tokens
+
+
+@dataclass
+class Completion:
+    """One sampled continuation: ``token_ids`` include the stop token when ``finish_reason == "stop"``."""
+
+    token_ids: list[int]
+    log_probs: list[float]
+    finish_reason: str  # "stop" | "length"
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    completions: list[Completion]
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int
+    stop_ids: frozenset[int]
+    max_new_tokens: int
+    completions: list[Completion | None] = field(default_factory=list)
+    future: asyncio.Future | None = None
+
+    @property
+    def done(self) -> bool:
+        return all(c is not None for c in self.completions)
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(self.request_id, self.prompt_ids, list(self.completions))
+
+
+@dataclass
+class _Sequence:
+    """One running sample. ``length`` tokens are in its cache slot; ``pending`` is the next to feed."""
+
+    request: _Request
+    index: int
+    slot: int
+    length: int
+    pending: int = -1
+    token_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+
+
+class LLMEngine:
+    """``max_num_seqs`` sequences run at once at most (the KV cache has that many slots, each
+    ``max_model_len`` tokens long); a prefill processes at most ``max_num_batched_tokens`` padded
+    prompt tokens (at least one request)."""
+
+    def __init__(
+        self,
+        model: EngineModel,
+        max_num_seqs: int,
+        max_model_len: int,
+        eos_token_ids: list[int],
+        max_num_batched_tokens: int = 8192,
+        seed: int = 0,
+    ) -> None:
+        if max_model_len > model.max_positions:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the engine's {model.max_positions} positions"
+            )
+        self.model = model
+        self.max_model_len = int(max_model_len)
+        self.max_num_batched_tokens = int(max_num_batched_tokens)
+        self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
+        self.cache = KVCache(model.spec, max_num_seqs, max_model_len, model.dtype, model.device)
+        self.generator = torch.Generator(device=model.device).manual_seed(int(seed))
+        self._waiting: list[_Request] = []
+        self._running: list[_Sequence] = []
+        self._ids = itertools.count()
+        self._loop_task: asyncio.Task | None = None
+        self.stats = {"prefill_tokens": 0, "decode_steps": 0, "generated_tokens": 0}
+
+    # ------------------------------------------------------------------ public API
+    def reseed(self, seed: int) -> None:
+        self.generator.manual_seed(int(seed))
+
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, n: int = 1, request_id: str | None = None
+    ) -> _Request:
+        """Queue a prompt for ``n`` samples; returns the request (its ``completions`` fill as they end)."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise ValueError("empty prompt: the engine needs at least one prompt token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens leaves no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+        if n > self.cache.num_slots:
+            raise ValueError(f"n={n} samples exceed the {self.cache.num_slots} KV-cache slots (max_num_seqs)")
+        stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else self.eos_token_ids
+        )
+        request = _Request(
+            request_id=request_id or f"req-{next(self._ids)}",
+            prompt_ids=prompt_ids,
+            params=params,
+            n=int(n),
+            stop_ids=stop_ids,
+            max_new_tokens=min(params.max_new_tokens, self.max_model_len - len(prompt_ids)),
+            completions=[None] * int(n),
+        )
+        self._waiting.append(request)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def generate_batch(
+        self, prompts: list[list[int]], params: SamplingParams, n: int = 1
+    ) -> list[GenerationResult]:
+        """Generate ``n`` completions for each prompt; results in input order."""
+        requests = [self.add_request(p, params, n) for p in prompts]
+        while not all(r.done for r in requests):
+            self.step()
+        return [r.result() for r in requests]
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, n: int = 1, request_id: str | None = None
+    ) -> GenerationResult:
+        """Generate for one prompt, sharing the running batch with every other pending call."""
+        request = self.add_request(prompt_ids, params, n, request_id)
+        request.future = asyncio.get_running_loop().create_future()
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+        return await request.future
+
+    def release(self) -> None:
+        """Free the KV cache (between rollouts); the weights stay."""
+        if self.has_unfinished():
+            raise RuntimeError("cannot release the KV cache while requests are running")
+        self.cache.release()
+
+    def resume(self) -> None:
+        """Re-create the KV cache freed by :meth:`release`."""
+        self.cache.allocate()
+
+    # ------------------------------------------------------------------ scheduling
+    def step(self) -> list[_Request]:
+        """Admit and prefill waiting requests, then decode one token per running sequence.
+        Returns the requests that finished in this step."""
+        if not self.cache.allocated:
+            raise RuntimeError("the KV cache is released; call resume() before generating")
+        finished: list[_Request] = []
+        admitted = self._admit()
+        if admitted:
+            self._prefill(admitted, finished)
+            self._compact()
+        if self._running:
+            self._decode(finished)
+            self._compact()
+        for request in finished:
+            if request.future is not None and not request.future.done():
+                request.future.set_result(request.result())
+        return finished
+
+    def _admit(self) -> list[_Request]:
+        free = self.cache.num_slots - len(self._running)
+        admitted, widest = [], 0
+        while self._waiting and self._waiting[0].n <= free:
+            request = self._waiting[0]
+            width = max(widest, len(request.prompt_ids))
+            if admitted and (len(admitted) + 1) * width > self.max_num_batched_tokens:
+                break
+            self._waiting.pop(0)
+            admitted.append(request)
+            free -= request.n
+            widest = width
+        return admitted
+
+    def _prefill(self, requests: list[_Request], finished: list[_Request]) -> None:
+        device = self.model.device
+        lengths = [len(r.prompt_ids) for r in requests]
+        tokens = torch.zeros(len(requests), max(lengths), dtype=torch.long)
+        for row, request in enumerate(requests):
+            tokens[row, : lengths[row]] = torch.tensor(request.prompt_ids)
+        new_seqs, source = [], []
+        for row, request in enumerate(requests):
+            for index in range(request.n):
+                new_seqs.append(
+                    _Sequence(request, index, slot=len(self._running) + len(new_seqs), length=lengths[row])
+                )
+                source.append(row)
+        slots = torch.tensor([s.slot for s in new_seqs], device=device)
+        logits = self.model.prefill(
+            tokens.to(device),
+            torch.tensor(lengths, device=device),
+            self.cache,
+            slots,
+            torch.tensor(source, device=device),
+        )
+        self._running.extend(new_seqs)
+        self.stats["prefill_tokens"] += sum(lengths)
+        self._accept(new_seqs, logits[torch.tensor(source, device=device)], finished)
+
+    def _decode(self, finished: list[_Request]) -> None:
+        device = self.model.device
+        running = self._running
+        tokens = torch.tensor([s.pending for s in running], device=device)
+        lengths = torch.tensor([s.length for s in running], device=device)
+        logits = self.model.decode(tokens, lengths, self.cache)
+        for seq in running:
+            seq.length += 1
+        self.stats["decode_steps"] += 1
+        self._accept(running, logits, finished)
+
+    def _accept(self, seqs: list[_Sequence], logits: torch.Tensor, finished: list[_Request]) -> None:
+        """Choose the next token of each sequence from its logits row (B, V) and retire finished ones."""
+        tokens, log_probs = self._choose(seqs, logits)
+        self.stats["generated_tokens"] += len(seqs)
+        for seq, token, log_prob in zip(seqs, tokens.tolist(), log_probs.tolist(), strict=True):
+            seq.token_ids.append(token)
+            seq.log_probs.append(log_prob)
+            seq.pending = token
+            request = seq.request
+            if token in request.stop_ids:
+                reason = "stop"
+            elif len(seq.token_ids) >= request.max_new_tokens:
+                reason = "length"
+            else:
+                continue
+            request.completions[seq.index] = Completion(seq.token_ids, seq.log_probs, reason)
+            seq.pending = -2  # retired: removed from the batch by _compact
+            if request.done:
+                finished.append(request)
+
+    def _choose(self, seqs: list[_Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        groups: dict[tuple, list[int]] = {}
+        for row, seq in enumerate(seqs):
+            groups.setdefault(seq.request.params.choice_key(), []).append(row)
+        if len(groups) == 1:
+            return choose_tokens(logits, seqs[0].request.params, self.generator)
+        tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        log_probs = torch.empty(len(seqs), dtype=torch.float32, device=logits.device)
+        for rows in groups.values():
+            index = torch.tensor(rows, device=logits.device)
+            tokens[index], log_probs[index] = choose_tokens(
+                logits[index], seqs[rows[0]].request.params, self.generator
+            )
+        return tokens, log_probs
+
+    def _compact(self) -> None:
+        """Drop retired sequences and move tail survivors into their slots, keeping rows 0..B-1 packed."""
+        alive = [s for s in self._running if s.pending != -2]
+        if len(alive) == len(self._running):
+            return
+        keep = len(alive)
+        holes = [s.slot for s in self._running[:keep] if s.pending == -2]
+        movers = [s for s in self._running[keep:] if s.pending != -2]
+        if movers:
+            self.cache.move_rows([m.slot for m in movers], holes, max(m.length for m in movers))
+            for mover, hole in zip(movers, holes, strict=True):
+                mover.slot = hole
+        self._running = sorted(alive, key=lambda s: s.slot)
+
+    async def _run_loop(self) -> None:
+        """Step while anything is pending, yielding to the event loop between steps."""
+        try:
+            while self.has_unfinished():
+                self.step()
+                await asyncio.sleep(0)
+        except Exception as error:  # every waiter learns what broke the batch
+            pending = [r for r in self._waiting] + [s.request for s in self._running]
+            self._waiting, self._running = [], []
+            for request in {id(r): r for r in pending}.values():
+                if request.future is not None and not request.future.done():
+                    request.future.set_exception(error)
+            raise

@@ -1,0 +1,346 @@
+"""The engine's own copy of a decoder-only LM: fused weights and a lean forward over a KV cache.
+
+The engine does not call the Hugging Face modules while generating: per-module Python overhead is
+most of a decode step on CPU. It holds the weights in a generation layout instead (q/k/v fused into
+one matrix, gate/up fused into one) and runs prefill and decode with a handful of tensor ops per
+layer. Weights arrive by name from the trainer's module (:meth:`EngineModel.load_weight`), one
+parameter at a time, so the hybrid engine never builds a second full state dict.
+
+Supported: the Llama family (Llama 2/3, SmolLM2, Mistral without sliding window), Qwen2/Qwen2.5
+(q/k/v bias) and Qwen3 (q/k RMSNorm), tied or untied embeddings, grouped-query attention, and any
+RoPE variant whose frequencies do not depend on the sequence length.
+
+Shapes: B rows in the running batch, L cached positions, H hidden size, nh/nkv query/key-value heads,
+hd head dim, V vocabulary. The math follows the HF implementation op for op (RMSNorm in fp32,
+rotate-half RoPE, scaled softmax attention), which keeps the engine's log-probs within ~1e-6 of
+the trainer's full forward in fp32.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture facts the engine needs, read from an HF config."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    hidden_act: str
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, config, parameter_names: list[str]) -> ModelSpec:
+        """Read the architecture from ``config``; which biases exist from the parameter names (Qwen2
+        has q/k/v biases but none on o_proj, Llama's ``attention_bias`` puts one on all four)."""
+        layer0 = {
+            name[len("model.layers.0.") :] for name in parameter_names if name.startswith("model.layers.0.")
+        }
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise NotImplementedError(
+                f"the embedded engine serves {SUPPORTED_MODEL_TYPES}, not model_type={model_type!r}; "
+                "use actor_rollout_ref.rollout.name=hf for other architectures"
+            )
+        if getattr(config, "use_sliding_window", False) or (
+            model_type == "mistral" and getattr(config, "sliding_window", None)
+        ):
+            raise NotImplementedError("sliding-window attention is not supported by the embedded engine")
+        heads = int(config.num_attention_heads)
+        return cls(
+            num_layers=int(config.num_hidden_layers),
+            hidden_size=int(config.hidden_size),
+            num_heads=heads,
+            num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
+            intermediate_size=int(config.intermediate_size),
+            vocab_size=int(config.vocab_size),
+            rms_norm_eps=float(config.rms_norm_eps),
+            hidden_act=str(config.hidden_act),
+            qkv_bias="self_attn.q_proj.bias" in layer0,
+            o_bias="self_attn.o_proj.bias" in layer0,
+            mlp_bias="mlp.gate_proj.bias" in layer0,
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+class LayerWeights:
+    """One decoder layer in the generation layout (``F.linear`` weights are (out, in))."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+        def empty(*shape):
+            return torch.empty(*shape, dtype=dtype, device=device)
+
+        qkv_out = spec.q_size + 2 * spec.kv_size
+        self.input_norm = empty(spec.hidden_size)
+        self.qkv = empty(qkv_out, spec.hidden_size)
+        self.qkv_bias = empty(qkv_out) if spec.qkv_bias else None
+        self.q_norm = empty(spec.head_dim) if spec.qk_norm else None
+        self.k_norm = empty(spec.head_dim) if spec.qk_norm else None
+        self.o_proj = empty(spec.hidden_size, spec.q_size)
+        self.o_bias = empty(spec.hidden_size) if spec.o_bias else None
+        self.post_norm = empty(spec.hidden_size)
+        self.gate_up = empty(2 * spec.intermediate_size, spec.hidden_size)
+        self.gate_up_bias = empty(2 * spec.intermediate_size) if spec.mlp_bias else None
+        self.down = empty(spec.hidden_size, spec.intermediate_size)
+        self.down_bias = empty(spec.hidden_size) if spec.mlp_bias else None
+
+    def targets(self, spec: ModelSpec) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """HF parameter suffix -> (engine tensor, first row, end row) it is copied into."""
+        q, kv, inter = spec.q_size, spec.kv_size, spec.intermediate_size
+        out = {
+            "input_layernorm.weight": (self.input_norm, 0, spec.hidden_size),
+            "self_attn.q_proj.weight": (self.qkv, 0, q),
+            "self_attn.k_proj.weight": (self.qkv, q, q + kv),
+            "self_attn.v_proj.weight": (self.qkv, q + kv, q + 2 * kv),
+            "self_attn.o_proj.weight": (self.o_proj, 0, spec.hidden_size),
+            "post_attention_layernorm.weight": (self.post_norm, 0, spec.hidden_size),
+            "mlp.gate_proj.weight": (self.gate_up, 0, inter),
+            "mlp.up_proj.weight": (self.gate_up, inter, 2 * inter),
+            "mlp.down_proj.weight": (self.down, 0, spec.hidden_size),
+        }
+        if self.qkv_bias is not None:
+            out["self_attn.q_proj.bias"] = (self.qkv_bias, 0, q)
+            out["self_attn.k_proj.bias"] = (self.qkv_bias, q, q + kv)
+            out["self_attn.v_proj.bias"] = (self.qkv_bias, q + kv, q + 2 * kv)
+        if self.o_bias is not None:
+            out["self_attn.o_proj.bias"] = (self.o_bias, 0, spec.hidden_size)
+        if self.q_norm is not None:
+            out["self_attn.q_norm.weight"] = (self.q_norm, 0, spec.head_dim)
+            out["self_attn.k_norm.weight"] = (self.k_norm, 0, spec.head_dim)
+        if self.gate_up_bias is not None:
+            out["mlp.gate_proj.bias"] = (self.gate_up_bias, 0, inter)
+            out["mlp.up_proj.bias"] = (self.gate_up_bias, inter, 2 * inter)
+            out["mlp.down_proj.bias"] = (self.down_bias, 0, spec.hidden_size)
+        return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm: normalise in fp32, cast back, then scale."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class EngineModel:
+    """Weights in generation layout plus prefill/decode forwards that read and write a KV cache.
+
+    Build with :meth:`from_hf_module` (copies the weights now) or :meth:`empty_like_hf_module`
+    (allocates only; fill with :meth:`load_weight`)."""
+
+    def __init__(
+        self, spec: ModelSpec, rope_cos: torch.Tensor, rope_sin: torch.Tensor, dtype, device
+    ) -> None:
+        self.spec, self.dtype, self.device = spec, dtype, torch.device(device)
+        self.max_positions = rope_cos.shape[0]
+        self.rope_cos = rope_cos.to(device=device, dtype=dtype)  # (max_positions, hd)
+        self.rope_sin = rope_sin.to(device=device, dtype=dtype)
+        self.embed = torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        self.layers = [LayerWeights(spec, dtype, device) for _ in range(spec.num_layers)]
+        self.final_norm = torch.empty(spec.hidden_size, dtype=dtype, device=device)
+        self.lm_head = self.embed if spec.tie_word_embeddings else torch.empty_like(self.embed)
+        self._targets = self._build_targets()
+        self.act = _activation(spec.hidden_act)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def empty_like_hf_module(
+        cls, module: nn.Module, max_positions: int, dtype: torch.dtype | None = None, device=None
+    ) -> EngineModel:
+        """Allocate an engine for ``module``'s architecture (weights uninitialised)."""
+        spec = ModelSpec.from_hf(module.config, [name for name, _ in module.named_parameters()])
+        cos, sin = rope_table(module, max_positions)
+        device = device or _module_device(module)
+        return cls(spec, cos, sin, dtype or torch.float32, device)
+
+    @classmethod
+    def from_hf_module(cls, module: nn.Module, max_positions: int, dtype=None, device=None) -> EngineModel:
+        """An engine holding a copy of ``module``'s (unsharded) weights."""
+        engine = cls.empty_like_hf_module(module, max_positions, dtype, device)
+        for name, tensor in module.named_parameters():
+            engine.load_weight(name, tensor.detach())
+        return engine
+
+    def _build_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        spec = self.spec
+        targets = {
+            "model.embed_tokens.weight": (self.embed, 0, spec.vocab_size),
+            "model.norm.weight": (self.final_norm, 0, spec.hidden_size),
+        }
+        if not spec.tie_word_embeddings:
+            targets["lm_head.weight"] = (self.lm_head, 0, spec.vocab_size)
+        for i, layer in enumerate(self.layers):
+            for suffix, target in layer.targets(spec).items():
+                targets[f"model.layers.{i}.{suffix}"] = target
+        return targets
+
+    @property
+    def weight_names(self) -> list[str]:
+        """HF parameter names the engine expects, each exactly once per full sync."""
+        return list(self._targets)
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy one full (unsharded) HF parameter into its place in the engine's tensors."""
+        if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+            return  # tied: the embedding already holds it
+        try:
+            target, start, end = self._targets[name]
+        except KeyError:
+            raise KeyError(f"engine has no place for parameter {name!r} ({_describe_layer(name)})") from None
+        region = target[start:end]
+        if region.shape != tensor.shape:
+            raise ValueError(
+                f"parameter {name!r}: engine expects {tuple(region.shape)}, got {tuple(tensor.shape)}"
+            )
+        region.copy_(tensor)
+
+    def parameter_bytes(self) -> int:
+        seen, total = set(), 0
+        for tensor, _, _ in self._targets.values():
+            if tensor.data_ptr() not in seen:
+                seen.add(tensor.data_ptr())
+                total += tensor.numel() * tensor.element_size()
+        return total
+
+    # ------------------------------------------------------------------ forward
+    def decode(self, tokens: torch.Tensor, lengths: torch.Tensor, cache) -> torch.Tensor:
+        """One new token per row. tokens, lengths (B,): the token at position ``lengths[b]`` of row b
+        (rows are the first B cache slots). Writes its K/V and returns fp32 logits (B, V)."""
+        spec = self.spec
+        batch = tokens.shape[0]
+        rows = torch.arange(batch, device=tokens.device)
+        span = int(lengths.max()) + 1
+        cos = self.rope_cos[lengths].unsqueeze(1)  # (B, 1, hd)
+        sin = self.rope_sin[lengths].unsqueeze(1)
+        visible = torch.arange(span, device=tokens.device).unsqueeze(0) <= lengths.unsqueeze(1)  # (B, span)
+        mask = visible[:, None, None, :]
+        x = self.embed[tokens]  # (B, H)
+        for layer, (k_cache, v_cache) in zip(self.layers, cache.layers, strict=True):
+            q, k, v = self._qkv(layer, rms_norm(x, layer.input_norm, spec.rms_norm_eps), cos, sin)
+            k_cache[rows, :, lengths] = k[:, :, 0]  # (B, nkv, hd)
+            v_cache[rows, :, lengths] = v[:, :, 0]
+            attn = F.scaled_dot_product_attention(
+                q, k_cache[:batch, :, :span], v_cache[:batch, :, :span], attn_mask=mask, enable_gqa=True
+            )  # (B, nh, 1, hd)
+            x = self._finish_layer(layer, x, attn.reshape(batch, spec.q_size))
+        return self._logits(rms_norm(x, self.final_norm, spec.rms_norm_eps))
+
+    def prefill(
+        self, tokens: torch.Tensor, lengths: torch.Tensor, cache, slots: torch.Tensor, source: torch.Tensor
+    ) -> torch.Tensor:
+        """Prompts from position 0. tokens (P, T) right-padded, lengths (P,); the K/V of prompt
+        ``source[i]`` are written to cache slot ``slots[i]`` (S,), so n samples share one prefill.
+        Returns fp32 logits (P, V) at each prompt's last token. Right padding never leaks into a real
+        token under the causal mask, so no padding mask is needed."""
+        spec = self.spec
+        n_prompts, width = tokens.shape
+        cos = self.rope_cos[:width].unsqueeze(0)  # (1, T, hd)
+        sin = self.rope_sin[:width].unsqueeze(0)
+        x = self.embed[tokens]  # (P, T, H)
+        for layer, (k_cache, v_cache) in zip(self.layers, cache.layers, strict=True):
+            q, k, v = self._qkv(layer, rms_norm(x, layer.input_norm, spec.rms_norm_eps), cos, sin)
+            k_cache[slots, :, :width] = k[source]
+            v_cache[slots, :, :width] = v[source]
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (P, nh, T, hd)
+            x = self._finish_layer(layer, x, attn.transpose(1, 2).reshape(n_prompts, width, spec.q_size))
+        last = x[torch.arange(n_prompts, device=x.device), lengths - 1]  # (P, H)
+        return self._logits(rms_norm(last, self.final_norm, spec.rms_norm_eps))
+
+    def _qkv(self, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """h (..., H) → q (N, nh, T, hd), k and v (N, nkv, T, hd) with RoPE applied (T = 1 in decode)."""
+        spec = self.spec
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+        if qkv.dim() == 2:
+            qkv = qkv.unsqueeze(1)  # decode: (B, 1, ...)
+        n, width = qkv.shape[:2]
+        q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+        q = q.view(n, width, spec.num_heads, spec.head_dim)
+        k = k.view(n, width, spec.num_kv_heads, spec.head_dim)
+        if layer.q_norm is not None:
+            q = rms_norm(q, layer.q_norm, spec.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, spec.rms_norm_eps)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = v.reshape(n, width, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def _finish_layer(self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Attention output projection, residual, then the gated MLP and its residual."""
+        spec = self.spec
+        x = x + F.linear(attn, layer.o_proj, layer.o_bias)
+        gate, up = F.linear(
+            rms_norm(x, layer.post_norm, spec.rms_norm_eps), layer.gate_up, layer.gate_up_bias
+        ).chunk(2, dim=-1)
+        return x + F.linear(self.act(gate) * up, layer.down, layer.down_bias)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.lm_head).float()
+
+
+def rope_table(module: nn.Module, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (max_positions, hd) in fp32 from the model's own rotary embedding, so every RoPE
+    variant it implements (linear, llama3, yarn, ...) comes out exactly as in its forward."""
+    backbone = getattr(module, "model", module)
+    rotary = getattr(backbone, "rotary_emb", None)
+    if rotary is None:
+        raise NotImplementedError(f"{type(module).__name__} has no rotary_emb; the engine needs RoPE")
+    if getattr(rotary, "rope_type", "default") == "dynamic":
+        raise NotImplementedError("dynamic NTK RoPE depends on the sequence length; use rollout.name=hf")
+    probe = torch.zeros(1, dtype=torch.float32, device=rotary.inv_freq.device)
+    positions = torch.arange(max_positions, device=probe.device).unsqueeze(0)
+    with torch.no_grad():
+        cos, sin = rotary(probe, positions)
+    return cos[0].float().cpu(), sin[0].float().cpu()
+
+
+def _activation(name: str):
+    from transformers.activations import ACT2FN
+
+    if name not in ACT2FN:
+        raise NotImplementedError(f"unknown hidden_act {name!r}")
+    return ACT2FN[name]
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    for param in module.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        return local.device
+    return torch.device("cpu")
+
+
+def _describe_layer(name: str) -> str:
+    match = _LAYER_NAME.match(name)
+    return f"layer {match.group(1)}, {match.group(2)}" if match else "not a decoder-layer parameter"

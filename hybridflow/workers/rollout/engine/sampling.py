@@ -1,0 +1,87 @@
+"""Sampling parameters and the per-step token choice.
+
+Log-probs reported for a sampled token are ``log_softmax(logits / temperature)`` over the full
+vocabulary — the quantity the actor recomputes as ``old_log_probs`` (top-k/top-p only restrict which
+tokens can be drawn). Greedy rows report ``log_softmax(logits)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """``temperature=0`` (or ``do_sample=False``) is greedy; ``top_k<=0`` and ``top_p>=1`` are off."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    do_sample: bool = True
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0
+
+    def choice_key(self) -> tuple:
+        """Rows with equal keys are sampled together in one vectorised call."""
+        return (self.greedy, self.temperature, self.top_k, self.top_p)
+
+
+def choose_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (B, V) fp32 → (tokens (B,), log-probs (B,)) for rows that share ``params``."""
+    if params.greedy:
+        tokens = logits.argmax(dim=-1)
+        return tokens, _token_log_probs(logits, tokens)
+    scaled = logits / params.temperature
+    filtered = _top_k_top_p(scaled, params.top_k, params.top_p)
+    tokens = sample_from_logits(filtered, generator)
+    return tokens, _token_log_probs(scaled, tokens)
+
+
+def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row from ``softmax(logits)`` by inverting the CDF with a single uniform per row.
+
+    ``torch.multinomial`` draws an exponential variate per vocabulary entry (B x V random numbers,
+    ~200 ms per step at B=256, V=32k on one core); this needs B. ``u`` lies in (0, 1], so a token
+    of zero probability (filtered out) can never be chosen."""
+    probs = torch.softmax(logits, dim=-1)
+    cdf = probs.cumsum_(dim=-1)
+    u = 1.0 - torch.rand(logits.shape[0], 1, generator=generator, device=logits.device)
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1)
+    return tokens.clamp_(max=logits.shape[-1] - 1)
+
+
+def _token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k and outside the top-p nucleus to -inf (the best token always stays)."""
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p  # mass before this token
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits

@@ -1,0 +1,160 @@
+"""The default rollout: hybridflow's embedded engine, fed with the actor's weights in place.
+
+``actor_rollout_ref.rollout.name=engine`` (also answers to ``vllm`` and ``sglang``, which cannot run
+here, so verl command lines run unchanged). The engine keeps its own copy of the weights in a
+generation layout; :meth:`EngineRollout.update_weights` refreshes it from the (FSDP2-sharded) actor
+one parameter at a time after each update. The KV cache lives only while generating when
+``free_cache_engine`` is on (verl's sleep/wake), so it never sits beside the training memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+from torch import nn
+
+from hybridflow import keys
+from hybridflow.protocol import DataProto
+from hybridflow.workers.rollout.base import (
+    BaseRollout,
+    assemble_output,
+    generation_seed,
+    register_rollout,
+    sampling_params,
+)
+from hybridflow.workers.rollout.engine import EngineModel, LLMEngine, SamplingParams
+from hybridflow.workers.rollout.engine.kv_cache import slots_for_budget
+from hybridflow.workers.rollout.engine.weight_sync import sync_weights
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def kv_cache_budget_bytes(config, device: torch.device) -> int:
+    """``kv_cache_memory_gb`` if set, else ``gpu_memory_utilization`` x the free device memory
+    (free RAM on CPU)."""
+    if config.get("kv_cache_memory_gb"):
+        return int(float(config.kv_cache_memory_gb) * 2**30)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = available_ram_bytes()
+    return int(float(config.get("gpu_memory_utilization", 0.5)) * free)
+
+
+def available_ram_bytes() -> int:
+    """MemAvailable from /proc/meminfo (free + reclaimable), else the free pages."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[tuple[list[int], int]]:
+    """Left-padded rows (B, T_p) → [(prompt ids, how many consecutive rows repeat it)]: the ``n``
+    samples of one prompt arrive as neighbouring rows and share one prefill."""
+    groups: list[tuple[list[int], int]] = []
+    for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True):
+        prompt = [t for t, m in zip(ids, mask, strict=True) if m]
+        if groups and groups[-1][0] == prompt:
+            groups[-1] = (prompt, groups[-1][1] + 1)
+        else:
+            groups.append((prompt, 1))
+    return groups
+
+
+@register_rollout("engine", "vllm", "sglang")
+class EngineRollout(BaseRollout):
+    """``module`` is the actor's (possibly FSDP2-sharded) HF model; ``config`` the rollout section."""
+
+    def __init__(self, module: nn.Module, config, rank: int = 0) -> None:
+        self.module, self.config, self.rank = module, config, rank
+        if config.get("name") in ("vllm", "sglang") and rank == 0:
+            logger.warning("rollout.name=%s: using hybridflow's embedded engine instead", config.name)
+        max_len = int(config.get("max_model_len") or int(config.prompt_length) + int(config.response_length))
+        dtype = DTYPES[str(config.get("dtype", "fp32"))]
+        self.model = EngineModel.empty_like_hf_module(module, max_len, dtype=dtype)
+        self.last_sync = sync_weights(self.model, module)
+        budget = kv_cache_budget_bytes(config, self.model.device)
+        slots = slots_for_budget(
+            self.model.spec, max_len, dtype, budget, int(config.get("max_num_seqs", 256))
+        )
+        self.engine = LLMEngine(
+            self.model,
+            max_num_seqs=slots,
+            max_model_len=max_len,
+            eos_token_ids=[],
+            max_num_batched_tokens=int(config.get("max_num_batched_tokens", 8192)),
+            seed=int(config.get("seed", 0)),
+        )
+        self.free_cache = bool(config.get("free_cache_engine", True))
+        if self.free_cache:
+            self.engine.release()
+
+    def update_weights(self) -> dict[str, float]:
+        """Refresh the engine from the actor (a collective over the actor's ranks); returns metrics."""
+        self.last_sync = sync_weights(self.model, self.module)
+        return self.last_sync.metrics()
+
+    def release(self) -> None:
+        self.engine.release()
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    @torch.no_grad()
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        meta = prompts.meta_info
+        eos_ids = meta["eos_token_id"] if isinstance(meta["eos_token_id"], list) else [meta["eos_token_id"]]
+        pad_id = int(meta["pad_token_id"])
+        response_length = int(self.config.response_length)
+        params = self._sampling_params(meta, eos_ids, response_length)
+        self.engine.reseed(
+            generation_seed(self.config.get("seed", 0), meta.get("global_steps", 0), self.rank)
+        )
+        groups = prompt_groups(prompts.batch[keys.INPUT_IDS], prompts.batch[keys.ATTENTION_MASK])
+        start = time.perf_counter()
+        self.resume()
+        try:
+            requests = [self.engine.add_request(prompt, params, n) for prompt, n in groups]
+            while self.engine.has_unfinished():
+                self.engine.step()
+        finally:
+            if self.free_cache:
+                self.release()
+        completions = [c for r in requests for c in r.completions]
+        responses = torch.full((len(completions), response_length), pad_id, dtype=torch.long)
+        log_probs = torch.zeros(len(completions), response_length, dtype=torch.float32)
+        for row, completion in enumerate(completions):
+            responses[row, : len(completion.token_ids)] = torch.tensor(completion.token_ids)
+            log_probs[row, : len(completion.log_probs)] = torch.tensor(completion.log_probs)
+        output = assemble_output(
+            prompts, responses, eos_ids, pad_id, log_probs if self.config.get("calculate_log_probs") else None
+        )
+        output.meta_info.update(
+            {
+                "temperature": params.temperature or 1.0,
+                "metrics": {"engine_generate": time.perf_counter() - start},
+            }
+        )
+        return output
+
+    def _sampling_params(self, meta: dict, eos_ids: list[int], response_length: int) -> SamplingParams:
+        chosen = sampling_params(self.config, meta)
+        return SamplingParams(
+            max_new_tokens=response_length,
+            temperature=chosen["temperature"],
+            top_k=chosen["top_k"],
+            top_p=chosen["top_p"],
+            do_sample=chosen["do_sample"],
+            stop_token_ids=() if self.config.get("ignore_eos", False) else tuple(eos_ids),
+            logprobs=True,
+        )

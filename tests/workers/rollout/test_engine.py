@@ -1,0 +1,232 @@
+"""The embedded engine against Hugging Face: greedy tokens, log-probs, continuous batching, async."""
+
+import asyncio
+
+import pytest
+import torch
+
+from hybridflow.workers.rollout.engine import EngineModel, LLMEngine, SamplingParams
+
+EOS = 2
+GREEDY = SamplingParams(max_new_tokens=12, do_sample=False)
+
+
+def _random_model(arch: str, **overrides):
+    import transformers
+
+    kwargs = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=97,
+        max_position_embeddings=128,
+        tie_word_embeddings=arch != "llama",
+    )
+    kwargs.update(overrides)
+    config_cls = {"qwen2": "Qwen2Config", "llama": "LlamaConfig", "qwen3": "Qwen3Config"}[arch]
+    config = getattr(transformers, config_cls)(**kwargs)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # larger weights than the default init: peaked, diverse distributions
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0, 0.2)
+    return model
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3"])
+def model(request):
+    overrides = {"attention_bias": True} if request.param == "llama" else {}
+    return _random_model(request.param, **overrides)
+
+
+def _prompts(count: int, seed: int = 0, vocab: int = 97) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 14, (count,), generator=gen).tolist()
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _engine(model, slots: int = 16, max_len: int = 64, seed: int = 0) -> LLMEngine:
+    return LLMEngine(
+        EngineModel.from_hf_module(model, max_len), slots, max_len, eos_token_ids=[EOS], seed=seed
+    )
+
+
+def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt]),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=EOS,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def _hf_log_probs(
+    model, rows: list[tuple[list[int], list[int]]], temperature: float = 1.0
+) -> list[torch.Tensor]:
+    """The trainer's way: one left-padded batch forward with position ids from the mask."""
+    width = max(len(p) + len(r) for p, r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, r) in enumerate(rows):
+        ids[i, width - len(p) - len(r) :] = torch.tensor(p + r)
+        mask[i, width - len(p) - len(r) :] = 1
+    with torch.no_grad():
+        logits = model(
+            input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)
+        ).logits
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    out = []
+    for i, (_, r) in enumerate(rows):
+        picked = log_probs[i, width - len(r) - 1 : width - 1].gather(1, torch.tensor(r).unsqueeze(1))
+        out.append(picked.squeeze(1))
+    return out
+
+
+def test_greedy_matches_hf_generate_token_for_token(model):
+    prompts = _prompts(10)
+    results = _engine(model).generate_batch(prompts, GREEDY)
+    for prompt, result in zip(prompts, results, strict=True):
+        completion = result.completions[0]
+        assert completion.token_ids == _hf_greedy(model, prompt, 12)
+        assert completion.finish_reason == ("stop" if completion.token_ids[-1] == EOS else "length")
+
+
+def test_sampled_log_probs_match_the_trainers_forward_in_any_batch(model):
+    params = SamplingParams(max_new_tokens=10, temperature=0.8, logprobs=True)
+    prompts = _prompts(12, seed=1)
+    big = _engine(model, slots=32, seed=3).generate_batch(prompts, params, n=2)
+    rows = [(r.prompt_token_ids, c.token_ids) for r in big for c in r.completions]
+    reported = [torch.tensor(c.log_probs) for r in big for c in r.completions]
+    for got, want in zip(reported, _hf_log_probs(model, rows, temperature=0.8), strict=True):
+        assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_batch_composition_does_not_change_greedy_tokens_or_log_probs(model):
+    prompts = _prompts(12, seed=12)
+    batched = _engine(model, slots=32).generate_batch(prompts, GREEDY, n=2)
+    for prompt, result in zip(prompts[:4], batched, strict=False):
+        alone = _engine(model, slots=1).generate_batch([prompt], GREEDY)[0].completions[0]
+        for completion in result.completions:
+            assert completion.token_ids == alone.token_ids
+            assert max(abs(a - b) for a, b in zip(completion.log_probs, alone.log_probs, strict=True)) <= 1e-5
+
+
+def test_request_joining_mid_flight_matches_running_alone(model):
+    early, late = _prompts(6, seed=2), _prompts(1, seed=5)[0]
+    engine = _engine(model, slots=8)
+    requests = [engine.add_request(p, GREEDY) for p in early]
+    for _ in range(4):
+        engine.step()
+    joined = engine.add_request(late, GREEDY)
+    assert engine.num_running > 0  # it joins a batch that is already decoding
+    while engine.has_unfinished():
+        engine.step()
+    alone = _engine(model, slots=1).generate_batch([late], GREEDY)[0]
+    assert joined.completions[0].token_ids == alone.completions[0].token_ids
+    assert [r.completions[0].token_ids for r in requests] == [
+        r.completions[0].token_ids for r in _engine(model).generate_batch(early, GREEDY)
+    ]
+
+
+def test_more_requests_than_slots_all_finish_in_order(model):
+    prompts = _prompts(9, seed=4)
+    small = _engine(model, slots=3).generate_batch(prompts, GREEDY, n=1)
+    large = _engine(model, slots=16).generate_batch(prompts, GREEDY, n=1)
+    assert [r.completions[0].token_ids for r in small] == [r.completions[0].token_ids for r in large]
+
+
+def test_n_samples_share_one_prefill(model):
+    prompts = _prompts(3, seed=6)
+    engine = _engine(model)
+    results = engine.generate_batch(prompts, GREEDY, n=4)
+    assert engine.stats["prefill_tokens"] == sum(len(p) for p in prompts)
+    for result in results:
+        assert len(result.completions) == 4
+        assert all(c.token_ids == result.completions[0].token_ids for c in result.completions)
+
+
+def test_async_requests_interleave_and_keep_their_order(model):
+    prompts = _prompts(6, seed=7)
+    engine = _engine(model, slots=4)
+
+    async def main():
+        return await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
+
+    results = asyncio.run(main())
+    expected = _engine(model).generate_batch(prompts, GREEDY)
+    assert [r.prompt_token_ids for r in results] == prompts
+    assert [r.completions[0].token_ids for r in results] == [r.completions[0].token_ids for r in expected]
+    assert not engine.has_unfinished()
+
+
+def test_release_frees_the_cache_and_resume_restores_generation(model):
+    prompts = _prompts(4, seed=8)
+    engine = _engine(model)
+    before = engine.generate_batch(prompts, GREEDY)
+    engine.release()
+    assert engine.cache.nbytes == 0
+    with pytest.raises(RuntimeError, match="resume"):
+        engine.generate_batch(prompts, GREEDY)
+    engine._waiting.clear()
+    engine.resume()
+    assert engine.cache.nbytes > 0
+    after = engine.generate_batch(prompts, GREEDY)
+    assert [r.completions[0].token_ids for r in before] == [r.completions[0].token_ids for r in after]
+
+
+def test_stop_tokens_and_length_limits(model):
+    prompt = _prompts(1, seed=9)[0]
+    free = _engine(model).generate_batch(
+        [prompt], SamplingParams(max_new_tokens=8, do_sample=False, ignore_eos=True)
+    )
+    tokens = free[0].completions[0].token_ids
+    assert len(tokens) == 8 and free[0].completions[0].finish_reason == "length"
+    stop = tokens[3]
+    cut = (
+        _engine(model)
+        .generate_batch(
+            [prompt],
+            SamplingParams(max_new_tokens=8, do_sample=False, ignore_eos=True, stop_token_ids=(stop,)),
+        )[0]
+        .completions[0]
+    )
+    assert cut.token_ids == tokens[: tokens.index(stop) + 1] and cut.finish_reason == "stop"
+    short = _engine(model, max_len=len(prompt) + 3).generate_batch(
+        [prompt], SamplingParams(max_new_tokens=50, do_sample=False, ignore_eos=True)
+    )
+    assert len(short[0].completions[0].token_ids) == 3  # bounded by max_model_len
+
+
+def test_top_k_one_is_greedy(model):
+    prompts = _prompts(4, seed=10)
+    greedy = _engine(model).generate_batch(prompts, GREEDY)
+    top1 = _engine(model, seed=11).generate_batch(
+        prompts, SamplingParams(max_new_tokens=12, temperature=1.3, top_k=1)
+    )
+    assert [r.completions[0].token_ids for r in top1] == [r.completions[0].token_ids for r in greedy]
+
+
+def test_bad_requests_are_refused_clearly():
+    model = _random_model("qwen2")
+    engine = _engine(model, slots=2, max_len=16)
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.add_request([], GREEDY)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request(list(range(3, 19)), GREEDY)
+    with pytest.raises(ValueError, match="slots"):
+        engine.add_request([5, 6], GREEDY, n=3)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+
+
+def test_unsupported_architecture_is_named():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(NotImplementedError, match="gpt2"):
+        EngineModel.from_hf_module(gpt2, 16)
