@@ -36,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--kl-coef", type=float, default=0.001, help="KL loss coefficient (0: no reference)")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--rollout", default="hf", help="actor_rollout_ref.rollout.name")
+    parser.add_argument("--rollout", default="engine", help="actor_rollout_ref.rollout.name (engine | hf)")
     parser.add_argument("--extra", nargs="*", default=[], help="more key=value config overrides")
     return parser.parse_args(argv)
 
@@ -101,6 +101,17 @@ def summarise(records: list[dict], args: argparse.Namespace) -> dict:
             p.removeprefix("timing_s/"): round(sum(r.get(p, 0.0) for r in timed) / len(timed), 4)
             for p in phases
         },
+        "update_weights_peak_extra_mb": round(
+            max((r.get("perf/update_weights_peak_extra_mb", 0.0) for r in records), default=0.0), 3
+        ),
+        "rollout_log_probs_diff_max": max(
+            (
+                r["training/rollout_log_probs_diff_max"]
+                for r in records
+                if "training/rollout_log_probs_diff_max" in r
+            ),
+            default=None,
+        ),
         "mean_reward": round(sum(r["critic/score/mean"] for r in timed) / len(timed), 4),
         "response_length_mean": round(sum(r["response_length/mean"] for r in timed) / len(timed), 2),
         "peak_rss_gb": {

@@ -1,15 +1,22 @@
 """Rollout throughput: the embedded engine vs Hugging Face ``generate`` on the same model and prompts.
 
-Both generate ``--prompts`` prompts x ``--n`` samples x ``--new-tokens`` tokens (prompt lengths drawn
-uniformly from ``--min-prompt``..``--max-prompt``) with the same sampling settings, in one process
-with the same torch threads. HF ``generate`` gets every row in one left-padded batch (its fastest
-setting here); the engine gets the prompts once with ``n`` samples each, as the rollout does.
-EOS is ignored by both, so both generate exactly the same number of tokens.
+Both generate ``--prompts`` prompts x ``--n`` samples, up to ``--new-tokens`` tokens each (prompt
+lengths drawn uniformly from ``--min-prompt``..``--max-prompt``), with the same sampling settings
+(temperature 1, no top-k/top-p), in one process with the same torch threads. HF ``generate`` gets
+every row in one left-padded batch (its fastest setting here); the engine gets each prompt once with
+``n`` samples, as the rollout does. Two workloads, each timed for both:
 
-    python benchmarks/rollout.py --model tiny      # the quickstart-sized model
-    python benchmarks/rollout.py --model llama100m # a ~100M-parameter Llama config (random init)
+- ``fixed_length``: stop tokens ignored, every row generates exactly ``--new-tokens`` (pure decode
+  speed; HF's padding and finished-row waste play no part);
+- ``variable_length``: ``--stop-fraction`` of the vocabulary are stop tokens, so responses end after a
+  roughly geometric number of tokens, as RL responses vary in length. HF decodes every row until the
+  longest finishes; the engine retires finished rows. Tokens/s counts generated tokens up to and
+  including each row's stop token.
 
-Prints one JSON line: tokens/s of each, their ratio, and the engine's settings.
+    python benchmarks/rollout.py --model tiny       # the quickstart-sized model (1.7M)
+    python benchmarks/rollout.py --model llama100m  # a ~100M-parameter Llama config (random init)
+
+Prints one JSON line: tokens/s of each, their ratio per workload, and the engine's counters.
 """
 
 from __future__ import annotations
@@ -63,9 +70,10 @@ def make_prompts(args, vocab: int) -> list[list[int]]:
     return [torch.randint(4, vocab, (int(n),), generator=gen).tolist() for n in lengths]
 
 
-def hf_generate(model, prompts: list[list[int]], args, pad_id: int) -> tuple[int, float]:
+def hf_generate(model, prompts: list[list[int]], args, stop_ids: list[int]) -> tuple[int, float]:
     rows = [p for p in prompts for _ in range(args.n)]
     width = max(len(p) for p in rows)
+    pad_id = 0
     input_ids = torch.full((len(rows), width), pad_id)
     attention_mask = torch.zeros_like(input_ids)
     for i, p in enumerate(rows):
@@ -77,29 +85,53 @@ def hf_generate(model, prompts: list[list[int]], args, pad_id: int) -> tuple[int
             input_ids=input_ids,
             attention_mask=attention_mask,
             max_new_tokens=args.new_tokens,
-            min_new_tokens=args.new_tokens,
+            min_new_tokens=0 if stop_ids else args.new_tokens,
             do_sample=True,
             temperature=args.temperature,
             top_k=0,
             top_p=1.0,
+            eos_token_id=stop_ids or None,
             pad_token_id=pad_id,
         )
     elapsed = time.perf_counter() - start
-    return (out.shape[1] - width) * len(rows), elapsed
+    generated = out[:, width:]
+    if not stop_ids:
+        return generated.numel(), elapsed
+    from hybridflow.utils.torch_functional import get_response_mask
+
+    return int(get_response_mask(generated, stop_ids).sum()), elapsed
 
 
-def engine_generate(model, prompts: list[list[int]], args) -> tuple[int, float, dict]:
+def engine_generate(model, prompts: list[list[int]], args, stop_ids: list[int]) -> tuple[int, float, dict]:
     from hybridflow.workers.rollout.engine import EngineModel, LLMEngine, SamplingParams
 
     max_len = args.max_prompt + args.new_tokens
     engine_model = EngineModel.from_hf_module(model, max_len, dtype=model.dtype)
     engine = LLMEngine(engine_model, max_num_seqs=args.max_num_seqs, max_model_len=max_len, eos_token_ids=[])
-    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, ignore_eos=True)
+    params = SamplingParams(
+        max_new_tokens=args.new_tokens, temperature=args.temperature, stop_token_ids=tuple(stop_ids)
+    )
     start = time.perf_counter()
     results = engine.generate_batch(prompts, params, n=args.n)
     elapsed = time.perf_counter() - start
     tokens = sum(len(c.token_ids) for r in results for c in r.completions)
     return tokens, elapsed, dict(engine.stats)
+
+
+def compare(model, prompts, args, stop_ids: list[int]) -> dict:
+    engine_tokens, engine_s, stats = engine_generate(model, prompts, args, stop_ids)
+    rows = args.prompts * args.n
+    result = {
+        "engine_tok_s": round(engine_tokens / engine_s, 1),
+        "engine_s": round(engine_s, 2),
+        "mean_response_tokens": round(engine_tokens / rows, 1),
+        "engine_decode_steps": stats["decode_steps"],
+    }
+    if not args.skip_hf:
+        hf_tokens, hf_s = hf_generate(model, prompts, args, stop_ids)
+        result.update(hf_tok_s=round(hf_tokens / hf_s, 1), hf_s=round(hf_s, 2))
+        result["ratio"] = round(result["engine_tok_s"] / result["hf_tok_s"], 2)
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -115,29 +147,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop-fraction", type=float, default=0.02, help="0: only the fixed-length workload")
     parser.add_argument("--skip-hf", action="store_true", help="time only the engine")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     model = build_model(args.model, dtype)
     prompts = make_prompts(args, model.config.vocab_size)
-    params = sum(p.numel() for p in model.parameters())
-    engine_tokens, engine_s, stats = engine_generate(model, prompts, args)
+    vocab = model.config.vocab_size
+    stop_ids = list(range(4, 4 + max(1, round(args.stop_fraction * vocab))))
     result = {
         "model": args.model,
-        "params_m": round(params / 1e6, 1),
+        "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
         "dtype": args.dtype,
         "threads": args.threads,
         "rows": args.prompts * args.n,
-        "new_tokens": args.new_tokens,
-        "engine_tok_s": round(engine_tokens / engine_s, 1),
-        "engine_s": round(engine_s, 2),
-        "engine_stats": stats,
+        "max_new_tokens": args.new_tokens,
+        "fixed_length": compare(model, prompts, args, stop_ids=[]),
     }
-    if not args.skip_hf:
-        hf_tokens, hf_s = hf_generate(model, prompts, args, pad_id=0)
-        result.update(hf_tok_s=round(hf_tokens / hf_s, 1), hf_s=round(hf_s, 2))
-        result["ratio"] = round(result["engine_tok_s"] / result["hf_tok_s"], 2)
+    if args.stop_fraction > 0:
+        result["variable_length"] = compare(model, prompts, args, stop_ids)
     json.dump(result, sys.stdout)
     print()
 

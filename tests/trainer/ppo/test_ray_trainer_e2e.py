@@ -173,8 +173,8 @@ def test_grpo_run_logs_finite_verl_metrics(reference_run):
     for record in metrics.values():
         if "training/rollout_log_probs_diff_max" in record:
             assert record["training/rollout_log_probs_diff_max"] <= 1e-5
-    # one gathered parameter at a time: the largest is the (vocab x hidden) embedding
-    assert step["perf/update_weights_peak_extra_mb"] <= 512 * 64 * 4 / 2**20
+    # one FSDP unit gathered at a time, never a second full copy of the weights
+    assert 0 < step["perf/update_weights_peak_extra_mb"] < step["perf/update_weights_mb"] / 2
 
 
 def test_rollout_log_probs_replace_the_recompute_once_they_match(

@@ -65,6 +65,15 @@ class KVCache:
         """Drop every cache tensor (the memory returns to the allocator)."""
         self.layers = []
 
+    def flat_positions(self, lengths: torch.Tensor) -> torch.Tensor:
+        """For rows 0..B-1 writing at positions ``lengths`` (B,): their (B * nkv,) row indices in a
+        layer tensor viewed as (slots * nkv * max_len, hd), head-major within a row."""
+        heads = torch.arange(self.spec.num_kv_heads, device=lengths.device)
+        rows = torch.arange(lengths.shape[0], device=lengths.device)
+        return (
+            (rows[:, None] * self.spec.num_kv_heads + heads[None, :]) * self.max_len + lengths[:, None]
+        ).reshape(-1)
+
     def move_rows(self, src: list[int], dst: list[int], length: int) -> None:
         """Copy the first ``length`` positions of slots ``src`` into slots ``dst`` (all layers)."""
         if not src:

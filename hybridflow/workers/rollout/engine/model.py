@@ -241,8 +241,8 @@ class EngineModel:
         (rows are the first B cache slots). Writes its K/V and returns fp32 logits (B, V)."""
         spec = self.spec
         batch = tokens.shape[0]
-        rows = torch.arange(batch, device=tokens.device)
         span = int(lengths.max()) + 1
+        write_at = cache.flat_positions(lengths)  # (B * nkv,) rows of the flattened cache
         cos = self.rope_cos[lengths].unsqueeze(1)  # (B, 1, hd)
         sin = self.rope_sin[lengths].unsqueeze(1)
         visible = torch.arange(span, device=tokens.device).unsqueeze(0) <= lengths.unsqueeze(1)  # (B, span)
@@ -250,8 +250,8 @@ class EngineModel:
         x = self.embed[tokens]  # (B, H)
         for layer, (k_cache, v_cache) in zip(self.layers, cache.layers, strict=True):
             q, k, v = self._qkv(layer, rms_norm(x, layer.input_norm, spec.rms_norm_eps), cos, sin)
-            k_cache[rows, :, lengths] = k[:, :, 0]  # (B, nkv, hd)
-            v_cache[rows, :, lengths] = v[:, :, 0]
+            k_cache.view(-1, spec.head_dim).index_copy_(0, write_at, k.reshape(-1, spec.head_dim))
+            v_cache.view(-1, spec.head_dim).index_copy_(0, write_at, v.reshape(-1, spec.head_dim))
             attn = F.scaled_dot_product_attention(
                 q, k_cache[:batch, :, :span], v_cache[:batch, :, :span], attn_mask=mask, enable_gqa=True
             )  # (B, nh, 1, hd)

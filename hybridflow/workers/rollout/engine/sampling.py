@@ -49,23 +49,31 @@ def choose_tokens(
     if params.greedy:
         tokens = logits.argmax(dim=-1)
         return tokens, _token_log_probs(logits, tokens)
-    scaled = logits / params.temperature
-    filtered = _top_k_top_p(scaled, params.top_k, params.top_p)
-    tokens = sample_from_logits(filtered, generator)
-    return tokens, _token_log_probs(scaled, tokens)
+    scaled = logits / params.temperature if params.temperature != 1.0 else logits
+    log_probs = torch.log_softmax(scaled, dim=-1)
+    if (0 < params.top_k < logits.shape[-1]) or params.top_p < 1.0:
+        probs = torch.softmax(_top_k_top_p(scaled, params.top_k, params.top_p), dim=-1)
+    else:
+        probs = log_probs.exp()
+    tokens = sample_from_probs(probs, generator)
+    return tokens, log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
 def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row from ``softmax(logits)`` by inverting the CDF with a single uniform per row.
+    """One draw per row from ``softmax(logits)`` (B, V) → (B,)."""
+    return sample_from_probs(torch.softmax(logits, dim=-1), generator)
+
+
+def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row by inverting the CDF with a single uniform per row (``probs`` is consumed).
 
     ``torch.multinomial`` draws an exponential variate per vocabulary entry (B x V random numbers,
     ~200 ms per step at B=256, V=32k on one core); this needs B. ``u`` lies in (0, 1], so a token
     of zero probability (filtered out) can never be chosen."""
-    probs = torch.softmax(logits, dim=-1)
     cdf = probs.cumsum_(dim=-1)
-    u = 1.0 - torch.rand(logits.shape[0], 1, generator=generator, device=logits.device)
+    u = 1.0 - torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device)
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1)
-    return tokens.clamp_(max=logits.shape[-1] - 1)
+    return tokens.clamp_(max=cdf.shape[-1] - 1)
 
 
 def _token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -1,20 +1,22 @@
 """The hybrid engine's weight hand-off: FSDP2-sharded training parameters → the engine's tensors.
 
-Parameters are gathered one at a time (``DTensor.full_tensor()``, a collective every rank joins in the
-same order), copied into the engine's own tensor, and dropped before the next is gathered, so at no
-point does a second full copy of the model exist. :class:`SyncStats` reports the time and the peak
-extra memory the gathered tensors took (measured by tracking which of them are still alive).
+Parameters move one FSDP unit at a time (a decoder layer, then the root's embedding/norm/head): the
+unit is unsharded (one all-gather, a collective every rank joins in the same order), each of its
+parameters is copied into the engine's own tensor, and the unit is resharded, which frees the
+gathered memory before the next unit is gathered. A second full copy of the model never exists;
+:class:`SyncStats` reports the time and the peak extra memory, measured from the storage the
+gathered tensors actually hold.
 """
 
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 
 @dataclass
@@ -22,7 +24,7 @@ class SyncStats:
     seconds: float
     tensors: int
     bytes_copied: int
-    peak_extra_bytes: int  # most gathered (full) parameter bytes alive at once
+    peak_extra_bytes: int  # most gathered (unsharded) bytes held at once
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -32,28 +34,46 @@ class SyncStats:
         }
 
 
-def iter_full_parameters(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) for every parameter, gathering sharded ones on demand (collective)."""
-    for name, param in module.named_parameters():
-        data = param.detach()
-        if hasattr(data, "full_tensor"):  # DTensor from fully_shard
-            data = data.full_tensor()
-        yield name, data
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (0 for storages freed by a reshard)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def iter_parameter_buckets(module: nn.Module) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+    """Yield ``(bucket, gathered)``: full parameters as ``[(name, tensor)]`` one FSDP unit at a time
+    (``gathered=True``: the tensors are unsharded copies, freed when the next bucket is requested),
+    or, for a plain module, one bucket of its own parameters (``gathered=False``: no extra memory)."""
+    units = [(prefix, m) for prefix, m in module.named_modules() if isinstance(m, FSDPModule)]
+    if not units:
+        yield [(name, p.detach()) for name, p in module.named_parameters()], False
+        return
+    owned: dict[str, list[str]] = {prefix: [] for prefix, _ in units}
+    for name, _ in module.named_parameters():
+        owner = max((p for p in owned if p == "" or name.startswith(p + ".")), key=len)
+        owned[owner].append(name)
+    for prefix, unit in units:
+        unit.unshard()
+        try:
+            yield [(name, module.get_parameter(name).detach()) for name in owned[prefix]], True
+        finally:
+            unit.reshard()
 
 
 def sync_weights(engine_model, module: nn.Module) -> SyncStats:
     """Copy every parameter of ``module`` into ``engine_model`` (see the module docstring)."""
     start = time.perf_counter()
-    alive: list[tuple[weakref.ref, int]] = []
+    earlier: list[torch.Tensor] = []  # gathered tensors of finished buckets: their storage must be freed
     peak = copied = count = 0
     with torch.no_grad():
-        for name, full in iter_full_parameters(module):
-            nbytes = full.numel() * full.element_size()
-            alive = [(ref, size) for ref, size in alive if ref() is not None]
-            alive.append((weakref.ref(full), nbytes))
-            peak = max(peak, sum(size for _, size in alive))
-            engine_model.load_weight(name, full)
-            copied += nbytes
-            count += 1
-            del full
+        for bucket, gathered in iter_parameter_buckets(module):
+            tensors = [tensor for _, tensor in bucket]
+            if gathered:
+                peak = max(peak, storage_bytes(tensors) + storage_bytes(earlier))
+            for name, tensor in bucket:
+                engine_model.load_weight(name, tensor)
+                copied += tensor.numel() * tensor.element_size()
+                count += 1
+            if gathered:
+                earlier.extend(tensors)
     return SyncStats(time.perf_counter() - start, count, copied, peak)
