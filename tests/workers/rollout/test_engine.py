@@ -230,3 +230,17 @@ def test_unsupported_architecture_is_named():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     with pytest.raises(NotImplementedError, match="gpt2"):
         EngineModel.from_hf_module(gpt2, 16)
+
+
+def test_bf16_engine_tracks_the_fp32_model():
+    model = _random_model("qwen2")
+    engine = LLMEngine(
+        EngineModel.from_hf_module(model, 64, dtype=torch.bfloat16), 8, 64, eos_token_ids=[EOS], seed=0
+    )
+    results = engine.generate_batch(_prompts(6, seed=13), SamplingParams(max_new_tokens=8, logprobs=True))
+    rows = [(r.prompt_token_ids, c.token_ids) for r in results for c in r.completions]
+    reported = torch.cat([torch.tensor(c.log_probs) for r in results for c in r.completions])
+    reference = torch.cat(_hf_log_probs(model, rows))
+    diff = (reported - reference).abs()
+    assert engine.model.embed.dtype == torch.bfloat16
+    assert diff.mean().item() < 0.05 and diff.max().item() < 0.5, diff
