@@ -152,7 +152,9 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
                 cfg.model, cfg.actor.fsdp_config, self.device_mesh, trainable=False
             )
         if self._is_rollout:
-            self.rollout = get_rollout_cls(cfg.rollout.name)(self.actor_module, cfg.rollout, rank=self.rank)
+            self.rollout = get_rollout_cls(cfg.rollout.name)(
+                self.actor_module, cfg.rollout, rank=self.rank, tokenizer=self.tokenizer
+            )
             self._rollout_weights_stale = False  # the rollout starts from the actor's current weights
         if self._is_ref:
             ref_module = build_fsdp_module(cfg.model, cfg.ref.fsdp_config, self.device_mesh, trainable=False)

@@ -190,8 +190,15 @@ def _check_unsupported(config: DictConfig) -> list[str]:
         problems.append(
             "actor.ulysses_sequence_parallel_size must be 1 (sequence parallelism is not implemented)"
         )
-    if config.actor_rollout_ref.rollout.multi_turn.enable:
-        problems.append("rollout.multi_turn.enable=true is not implemented yet")
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.multi_turn.enable:
+        if rollout.name not in ("engine", "vllm", "sglang"):
+            problems.append(
+                f"rollout.multi_turn.enable=true needs the engine rollout, not name={rollout.name!r}"
+            )
+        path = rollout.multi_turn.get("tool_config_path")
+        if path and not os.path.isfile(os.path.expanduser(str(path))):
+            problems.append(f"rollout.multi_turn.tool_config_path: {path!r} is not a file")
     if int(config.actor_rollout_ref.model.lora_rank) > 0:
         problems.append("model.lora_rank > 0 (LoRA) is not implemented yet")
     return problems

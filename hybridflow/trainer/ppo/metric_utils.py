@@ -112,6 +112,9 @@ def compute_data_metrics(batch: DataProto, use_critic: bool = True) -> dict[str,
     if "__num_turns__" in batch.non_tensor_batch:
         num_turns = batch.non_tensor_batch["__num_turns__"].astype(float)
         metrics.update(_stats("num_turns", torch.as_tensor(num_turns)))
+    for column in ("tool_calls", "tool_failures", "tool_rewards"):  # multi-turn rollouts, per sample
+        if column in batch.non_tensor_batch:
+            metrics.update(_stats(column, torch.as_tensor(batch.non_tensor_batch[column].astype(float))))
     return metrics
 
 

@@ -306,7 +306,10 @@ def rollout_with_uids(
     sources, ...) stays on the controller and is re-attached to the output."""
     prompts.non_tensor_batch[keys.UID] = _object_array([str(uuid.uuid4()) for _ in range(len(prompts))])
     prompts = prompts.repeat(n, interleave=True)
-    gen_input = prompts.select(batch_keys=PROMPT_INPUT_KEYS, non_tensor_batch_keys=[], meta_info_keys=[])
+    tools_kwargs = [key for key in ("tools_kwargs",) if key in prompts.non_tensor_batch]  # multi-turn tools
+    gen_input = prompts.select(
+        batch_keys=PROMPT_INPUT_KEYS, non_tensor_batch_keys=tools_kwargs, meta_info_keys=[]
+    )
     gen_input.meta_info = dict(meta_info)
     output = actor_rollout.generate_sequences(gen_input)
     for key, values in output.meta_info.pop("metrics", {}).items():

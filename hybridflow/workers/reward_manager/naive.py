@@ -101,6 +101,12 @@ def decode_samples(data: DataProto, tokenizer, reward_fn_key: str = "data_source
     reward_model = _non_tensor(data, "reward_model")
     data_sources = _non_tensor(data, reward_fn_key)
     extra_infos = data.non_tensor_batch.get("extra_info")
+    tool_rewards = data.non_tensor_batch.get("tool_rewards")  # multi-turn: what the tools scored
+    if tool_rewards is not None:
+        base = list(extra_infos) if extra_infos is not None else [None] * len(tool_rewards)
+        extra_infos = [
+            {**(info or {}), "tool_rewards": float(r)} for info, r in zip(base, tool_rewards, strict=True)
+        ]
     return [
         RewardSample(
             index=i,

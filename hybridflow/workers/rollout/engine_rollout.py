@@ -9,6 +9,7 @@ one parameter at a time after each update. The KV cache lives only while generat
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -75,8 +76,10 @@ def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list
 class EngineRollout(BaseRollout):
     """``module`` is the actor's (possibly FSDP2-sharded) HF model; ``config`` the rollout section."""
 
-    def __init__(self, module: nn.Module, config, rank: int = 0) -> None:
-        self.module, self.config, self.rank = module, config, rank
+    def __init__(self, module: nn.Module, config, rank: int = 0, tokenizer=None) -> None:
+        self.module, self.config, self.rank, self.tokenizer = module, config, rank, tokenizer
+        self.multi_turn = bool(config.get("multi_turn", {}).get("enable", False))
+        self._agent_loop = None
         if config.get("name") in ("vllm", "sglang") and rank == 0:
             logger.warning("rollout.name=%s: using hybridflow's embedded engine instead", config.name)
         max_len = int(config.get("max_model_len") or int(config.prompt_length) + int(config.response_length))
@@ -120,6 +123,8 @@ class EngineRollout(BaseRollout):
         self.engine.reseed(
             generation_seed(self.config.get("seed", 0), meta.get("global_steps", 0), self.rank)
         )
+        if self.multi_turn:
+            return self._generate_conversations(prompts, params, eos_ids, pad_id)
         groups = prompt_groups(prompts.batch[keys.INPUT_IDS], prompts.batch[keys.ATTENTION_MASK])
         start = time.perf_counter()
         self.resume()
@@ -158,3 +163,43 @@ class EngineRollout(BaseRollout):
             stop_token_ids=() if self.config.get("ignore_eos", False) else tuple(eos_ids),
             logprobs=True,
         )
+
+    def _generate_conversations(
+        self, prompts: DataProto, params: SamplingParams, eos_ids, pad_id
+    ) -> DataProto:
+        """Multi-turn: every row is its own conversation with tool calls (``multi_turn.enable``)."""
+        from hybridflow.workers.rollout.multi_turn import assemble_conversations, build_agent_loop
+
+        if self._agent_loop is None:
+            self._agent_loop = build_agent_loop(self.engine, self.tokenizer, self.config, eos_ids)
+        rows = [
+            [t for t, m in zip(ids, mask, strict=True) if m]
+            for ids, mask in zip(
+                prompts.batch[keys.INPUT_IDS].tolist(),
+                prompts.batch[keys.ATTENTION_MASK].tolist(),
+                strict=True,
+            )
+        ]
+        tools_kwargs = prompts.non_tensor_batch.get("tools_kwargs")
+        kwargs = [tools_kwargs[i] if tools_kwargs is not None else None for i in range(len(rows))]
+        start = time.perf_counter()
+        self.resume()
+        try:
+            convs = asyncio.run(self._agent_loop.run_batch(rows, [params] * len(rows), kwargs))
+        finally:
+            if self.free_cache:
+                self.release()
+        output = assemble_conversations(
+            prompts,
+            convs,
+            pad_id,
+            int(self.config.response_length),
+            bool(self.config.get("calculate_log_probs")),
+        )
+        output.meta_info.update(
+            {
+                "temperature": params.temperature or 1.0,
+                "metrics": {"engine_generate": time.perf_counter() - start},
+            }
+        )
+        return output

@@ -26,7 +26,7 @@ from hybridflow.workers.rollout.base import (
 class HFRollout(BaseRollout):
     """``config`` is the ``actor_rollout_ref.rollout`` section."""
 
-    def __init__(self, module: nn.Module, config, rank: int = 0) -> None:
+    def __init__(self, module: nn.Module, config, rank: int = 0, **unused) -> None:
         self.module = module
         self.config = config
         self.rank = rank

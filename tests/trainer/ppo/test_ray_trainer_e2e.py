@@ -320,3 +320,36 @@ def test_reward_model_scores_the_last_response_token(worker_groups, reference_ru
     for row, length in enumerate(lengths.tolist()):
         assert scores[row].nonzero().flatten().tolist() in ([length - 1], [])
         assert scores[row, length - 1].item() == pytest.approx(expected[row].item(), abs=1e-4)
+
+
+def test_multi_turn_grpo_runs_through_main_ppo_with_tools(
+    ray_session, tiny_model_dir, arithmetic_data, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    tools = Path(__file__).parents[3] / "examples" / "tools" / "gsm8k_tool_config.yaml"
+    config = _config(
+        tiny_model_dir,
+        arithmetic_data,
+        tmp_path,
+        **{
+            "critic.enable": False,
+            "actor_rollout_ref.actor.use_kl_loss": False,
+            "trainer.total_training_steps": 2,
+            "trainer.experiment_name": "multi_turn",
+            "data.max_response_length": 24,
+            "actor_rollout_ref.rollout.multi_turn.enable": True,
+            "actor_rollout_ref.rollout.multi_turn.tool_config_path": str(tools),
+            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 3,
+        },
+    )
+    run_ppo(config)
+    metrics = _metrics(tmp_path / "outputs" / "hybridflow" / "multi_turn")
+    for key in (
+        "num_turns/mean",
+        "tool_calls/mean",
+        "tool_failures/mean",
+        "tool_rewards/mean",
+        "actor/pg_loss",
+    ):
+        assert math.isfinite(metrics[2][key]), key
+    assert metrics[2]["num_turns/min"] >= 1

@@ -260,6 +260,11 @@ class LLMEngine:
                 finished.append(request)
 
     def _choose(self, seqs: list[_Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        processed = [(row, seq) for row, seq in enumerate(seqs) if seq.request.params.logits_processor]
+        if processed:
+            logits = logits.clone()
+            for row, seq in processed:
+                logits[row] = seq.request.params.logits_processor(seq.token_ids, logits[row])
         groups: dict[tuple, list[int]] = {}
         for row, seq in enumerate(seqs):
             groups.setdefault(seq.request.params.choice_key(), []).append(row)

@@ -7,6 +7,7 @@ tokens can be drawn). Greedy rows report ``log_softmax(logits)``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    # (this sequence's generated ids, its logits (V,)) -> logits: constrains or scripts generation;
+    # reported log-probs are then those of the processed logits
+    logits_processor: Callable[[list[int], torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -39,7 +43,7 @@ class SamplingParams:
 
     def choice_key(self) -> tuple:
         """Rows with equal keys are sampled together in one vectorised call."""
-        return (self.greedy, self.temperature, self.top_k, self.top_p)
+        return (self.greedy, self.temperature, self.top_k, self.top_p, id(self.logits_processor))
 
 
 def choose_tokens(

@@ -1,0 +1,325 @@
+"""Multi-turn rollout with tool calls: one state machine per sample over the engine's async API.
+
+Each sample goes PENDING → RUNNING (the model generates a turn) → TOOL_CALLING (its tool calls are
+parsed and executed, up to ``max_parallel_calls`` at once) → RUNNING → ... → COMPLETED, bounded by
+``max_assistant_turns``, ``max_user_turns`` (tool-response turns) and ``response_length`` (all tokens
+after the prompt). All samples run concurrently, so their generation steps share the engine's
+running batch while tools execute.
+
+Token-in, token-out: the conversation is kept as token ids. Generated tokens are appended as the
+engine returned them (mask 1); a tool turn is rendered with the model's chat template and only its
+new tokens are appended (mask 0), so the trained tokens are exactly the sampled ones. Bad tool calls
+(malformed JSON, unknown tool, missing arguments, a tool that raises) become an error message in
+the tool turn — the rollout never crashes on model output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from hybridflow.workers.rollout.engine import LLMEngine, SamplingParams
+from hybridflow.workers.rollout.tools.base_tool import BaseTool
+from hybridflow.workers.rollout.tools.parser import ToolCall, ToolCallParser
+
+
+class TurnState(enum.Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    TOOL_CALLING = "tool_calling"
+    COMPLETED = "completed"
+
+
+@dataclass(frozen=True)
+class MultiTurnLimits:
+    response_length: int
+    max_assistant_turns: int | None = None
+    max_user_turns: int | None = None
+    max_parallel_calls: int = 1
+    max_tool_response_length: int = 256  # characters of one tool response
+    tool_response_truncate_side: str = "middle"  # left | right | middle
+
+    @classmethod
+    def from_rollout_config(cls, config) -> MultiTurnLimits:
+        mt = config.multi_turn
+        return cls(
+            response_length=int(config.response_length),
+            max_assistant_turns=mt.get("max_assistant_turns"),
+            max_user_turns=mt.get("max_user_turns"),
+            max_parallel_calls=int(mt.get("max_parallel_calls", 1)),
+            max_tool_response_length=int(mt.get("max_tool_response_length", 256)),
+            tool_response_truncate_side=str(mt.get("tool_response_truncate_side", "middle")),
+        )
+
+
+@dataclass
+class Conversation:
+    """One sample's growing response: ``response_ids``/``response_mask``/``log_probs`` are aligned."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    state: TurnState = TurnState.PENDING
+    assistant_turns: int = 0
+    user_turns: int = 0
+    tool_calls: int = 0
+    tool_failures: int = 0
+    tool_reward: float = 0.0
+    finish_reason: str = ""
+
+    def append(self, token_ids: list[int], generated: bool, log_probs: list[float] | None = None) -> None:
+        self.response_ids.extend(token_ids)
+        self.response_mask.extend([int(generated)] * len(token_ids))
+        self.log_probs.extend(log_probs if log_probs is not None else [0.0] * len(token_ids))
+
+    def truncate(self, length: int) -> None:
+        del self.response_ids[length:], self.response_mask[length:], self.log_probs[length:]
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "num_turns": self.assistant_turns + self.user_turns,
+            "assistant_turns": self.assistant_turns,
+            "tool_calls": self.tool_calls,
+            "tool_failures": self.tool_failures,
+        }
+
+
+def truncate_text(text: str, limit: int, side: str = "middle") -> str:
+    """At most ``limit`` characters of ``text``, dropping from the ``side`` given (marked with ...)."""
+    if len(text) <= limit:
+        return text
+    marker = "...(truncated)..."
+    keep = max(limit - len(marker), 0)
+    if side == "left":
+        return marker + text[len(text) - keep :]
+    if side == "right":
+        return text[:keep] + marker
+    head = keep // 2
+    return text[:head] + marker + text[len(text) - (keep - head) :]
+
+
+class ToolTurnRenderer:
+    """The token ids a tool-response turn adds after an assistant turn, rendered by the chat template.
+
+    It renders a reference conversation with and without the tool messages and keeps the difference
+    after the assistant's end-of-turn token, so earlier turns are never re-tokenised."""
+
+    def __init__(self, tokenizer, end_of_turn_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.end_of_turn_ids = set(end_of_turn_ids)
+        self._base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+        base_ids = self._encode(self._base, add_generation_prompt=False)
+        ends = [i for i, t in enumerate(base_ids) if t in self.end_of_turn_ids]
+        if not ends:
+            raise ValueError("the chat template does not end an assistant turn with an EOS token")
+        self._prefix = base_ids[: ends[-1] + 1]
+
+    def _encode(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def tool_turn_ids(self, responses: list[str]) -> list[int]:
+        tool_messages = [{"role": "tool", "content": text} for text in responses]
+        full = self._encode(self._base + tool_messages, add_generation_prompt=True)
+        if full[: len(self._prefix)] != self._prefix:
+            raise ValueError("the chat template re-renders earlier turns when a tool turn is added")
+        return full[len(self._prefix) :]
+
+
+class ToolAgentLoop:
+    """Runs conversations with ``tools`` (name → tool) through ``engine``."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        tokenizer,
+        tools: dict[str, BaseTool],
+        parser: ToolCallParser,
+        limits: MultiTurnLimits,
+        end_of_turn_ids: list[int],
+    ) -> None:
+        self.engine, self.tokenizer, self.tools, self.parser, self.limits = (
+            engine,
+            tokenizer,
+            tools,
+            parser,
+            limits,
+        )
+        self.renderer = ToolTurnRenderer(tokenizer, end_of_turn_ids)
+
+    async def run_batch(
+        self, prompts: list[list[int]], params: list[SamplingParams], tools_kwargs: list[dict | None]
+    ) -> list[Conversation]:
+        """All conversations concurrently; results in input order."""
+        runs = (self.run(p, sp, kw) for p, sp, kw in zip(prompts, params, tools_kwargs, strict=True))
+        return list(await asyncio.gather(*runs))
+
+    async def run(
+        self, prompt_ids: list[int], params: SamplingParams, tools_kwargs: dict | None = None
+    ) -> Conversation:
+        conv = Conversation(list(prompt_ids))
+        session = _ToolSession(self.tools, tools_kwargs or {})
+        try:
+            await self._converse(conv, params, session)
+            conv.tool_reward += await session.rewards()
+        finally:
+            await session.release()
+        conv.truncate(self.limits.response_length)
+        conv.state = TurnState.COMPLETED
+        return conv
+
+    async def _converse(self, conv: Conversation, params: SamplingParams, session: _ToolSession) -> None:
+        limits = self.limits
+        while True:
+            budget = limits.response_length - len(conv.response_ids)
+            if budget <= 0:
+                conv.finish_reason = "length"
+                return
+            conv.state = TurnState.RUNNING
+            result = await self.engine.generate(
+                conv.prompt_ids + conv.response_ids, replace(params, max_new_tokens=budget)
+            )
+            turn = result.completions[0]
+            conv.append(turn.token_ids, generated=True, log_probs=turn.log_probs)
+            conv.assistant_turns += 1
+            _, calls, errors = self.parser.parse(
+                self.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
+            )
+            if turn.finish_reason == "length" or not (calls or errors):
+                conv.finish_reason = turn.finish_reason
+                return
+            if limits.max_assistant_turns and conv.assistant_turns >= limits.max_assistant_turns:
+                conv.finish_reason = "max_assistant_turns"
+                return
+            if limits.max_user_turns and conv.user_turns >= limits.max_user_turns:
+                conv.finish_reason = "max_user_turns"
+                return
+            conv.state = TurnState.TOOL_CALLING
+            responses = await self._tool_responses(conv, calls, [e.message for e in errors], session)
+            conv.append(self.renderer.tool_turn_ids(responses), generated=False)
+            conv.user_turns += 1
+
+    async def _tool_responses(
+        self, conv: Conversation, calls: list[ToolCall], parse_errors: list[str], session: _ToolSession
+    ) -> list[str]:
+        limit = self.limits.max_parallel_calls
+        run, refused = calls[:limit], calls[limit:]
+        outcomes = await asyncio.gather(*(session.call(call) for call in run))
+        conv.tool_calls += len(calls) + len(parse_errors)
+        conv.tool_failures += sum(not ok for _, ok in outcomes) + len(refused) + len(parse_errors)
+        texts = [text for text, _ in outcomes]
+        texts += [f"Error: at most {limit} tool calls run per turn; '{c.name}' was not run." for c in refused]
+        texts += [f"Error: {message}" for message in parse_errors]
+        side, size = self.limits.tool_response_truncate_side, self.limits.max_tool_response_length
+        return [truncate_text(text, size, side) for text in texts]
+
+
+class _ToolSession:
+    """One sample's tool instances, created on first use with ``tools_kwargs[name]["create_kwargs"]``."""
+
+    def __init__(self, tools: dict[str, BaseTool], tools_kwargs: dict[str, Any]) -> None:
+        self.tools, self.tools_kwargs = tools, tools_kwargs
+        self.instances: dict[str, str] = {}
+        self.step_rewards = 0.0
+
+    def _kwargs(self, name: str, stage: str) -> dict:
+        return dict((self.tools_kwargs.get(name) or {}).get(f"{stage}_kwargs") or {})
+
+    async def call(self, call: ToolCall) -> tuple[str, bool]:
+        """(response text, succeeded)."""
+        tool = self.tools.get(call.name)
+        if tool is None:
+            return f"Error: unknown tool '{call.name}'; available: {', '.join(sorted(self.tools))}", False
+        missing = tool.missing_arguments(call.arguments)
+        if missing:
+            return f"Error: tool '{call.name}' is missing required argument(s): {', '.join(missing)}", False
+        try:
+            if call.name not in self.instances:
+                self.instances[call.name] = await tool.create(**self._kwargs(call.name, "create"))
+            text, reward, _ = await tool.execute(
+                self.instances[call.name], call.arguments, **self._kwargs(call.name, "execute")
+            )
+        except Exception as error:  # a broken tool is the model's feedback, not a crashed rollout
+            return f"Error: tool '{call.name}' failed: {type(error).__name__}: {error}", False
+        self.step_rewards += float(reward)
+        return str(text), True
+
+    async def rewards(self) -> float:
+        total = self.step_rewards
+        for name, instance_id in self.instances.items():
+            total += float(
+                await self.tools[name].calc_reward(instance_id, **self._kwargs(name, "calc_reward"))
+            )
+        return total
+
+    async def release(self) -> None:
+        for name, instance_id in self.instances.items():
+            await self.tools[name].release(instance_id, **self._kwargs(name, "release"))
+
+
+def build_agent_loop(
+    engine: LLMEngine, tokenizer, rollout_config, end_of_turn_ids: list[int]
+) -> ToolAgentLoop:
+    """The agent loop a rollout config asks for: tools from ``multi_turn.tool_config_path`` (none when
+    unset), the ``multi_turn.format`` parser, and the turn/length limits."""
+    from hybridflow.workers.rollout.tools.parser import get_tool_call_parser
+    from hybridflow.workers.rollout.tools.registry import load_tools
+
+    if tokenizer is None:
+        raise ValueError("multi-turn rollouts need the tokenizer (to render tool turns)")
+    path = rollout_config.multi_turn.get("tool_config_path")
+    tools = load_tools(path) if path else {}
+    parser = get_tool_call_parser(str(rollout_config.multi_turn.get("format", "hermes")))
+    limits = MultiTurnLimits.from_rollout_config(rollout_config)
+    return ToolAgentLoop(engine, tokenizer, tools, parser, limits, end_of_turn_ids)
+
+
+def assemble_conversations(
+    prompts, conversations: list[Conversation], pad_id: int, response_length: int, with_log_probs: bool
+):
+    """The standard rollout output for finished conversations. ``response_mask`` (B, T_r) is 1 only on
+    generated tokens; the response part of ``attention_mask`` is 1 on every token (tool turns too).
+    Per-row ``__num_turns__``, ``tool_calls``, ``tool_failures`` and ``tool_rewards`` ride along as
+    non-tensor columns."""
+    import numpy as np
+    import torch
+
+    from hybridflow import keys
+    from hybridflow.protocol import DataProto
+
+    rows = len(conversations)
+    responses = torch.full((rows, response_length), pad_id, dtype=torch.long)
+    response_mask = torch.zeros(rows, response_length, dtype=torch.long)
+    present = torch.zeros(rows, response_length, dtype=torch.long)
+    log_probs = torch.zeros(rows, response_length, dtype=torch.float32)
+    for row, conv in enumerate(conversations):
+        n = len(conv.response_ids)
+        responses[row, :n] = torch.tensor(conv.response_ids, dtype=torch.long)
+        response_mask[row, :n] = torch.tensor(conv.response_mask, dtype=torch.long)
+        log_probs[row, :n] = torch.tensor(conv.log_probs, dtype=torch.float32)
+        present[row, :n] = 1
+    prompt_ids, prompt_mask = prompts.batch[keys.INPUT_IDS], prompts.batch[keys.ATTENTION_MASK]
+    prompt_pos = prompts.batch[keys.POSITION_IDS]
+    steps = torch.arange(1, response_length + 1, dtype=prompt_pos.dtype).unsqueeze(0)
+    tensors = {
+        keys.PROMPTS: prompt_ids,
+        keys.RESPONSES: responses,
+        keys.RESPONSE_MASK: response_mask.to(prompt_mask.dtype),
+        keys.INPUT_IDS: torch.cat([prompt_ids, responses], dim=1),
+        keys.ATTENTION_MASK: torch.cat([prompt_mask, present.to(prompt_mask.dtype)], dim=1),
+        keys.POSITION_IDS: torch.cat([prompt_pos, prompt_pos[:, -1:] + steps], dim=1),
+    }
+    if with_log_probs:
+        tensors[keys.ROLLOUT_LOG_PROBS] = log_probs * response_mask
+    columns = {
+        "__num_turns__": np.array([c.assistant_turns + c.user_turns for c in conversations], dtype=np.int64),
+        "tool_calls": np.array([c.tool_calls for c in conversations], dtype=np.int64),
+        "tool_failures": np.array([c.tool_failures for c in conversations], dtype=np.int64),
+        "tool_rewards": np.array([c.tool_reward for c in conversations], dtype=np.float64),
+    }
+    return DataProto.from_dict(tensors, non_tensors=columns, meta_info={})

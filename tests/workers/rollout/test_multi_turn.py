@@ -1,0 +1,167 @@
+"""Multi-turn tool rollouts through the real engine, with the model's turns scripted by a logits
+processor (a real tiny model whose outputs are forced token by token)."""
+
+import asyncio
+
+import pytest
+import torch
+
+from hybridflow.workers.rollout.engine import EngineModel, LLMEngine, SamplingParams
+from hybridflow.workers.rollout.multi_turn import MultiTurnLimits, ToolAgentLoop, truncate_text
+from hybridflow.workers.rollout.tools.base_tool import BaseTool, ToolSchema
+from hybridflow.workers.rollout.tools.parser import get_tool_call_parser
+
+EOS = 2  # <|im_end|>
+
+
+class AddTool(BaseTool):
+    def __init__(self):
+        super().__init__({}, ToolSchema("add", "a + b", {"type": "object", "required": ["a", "b"]}))
+        self.created, self.released = [], []
+
+    async def create(self, instance_id=None, **kwargs):
+        instance = await super().create(instance_id)
+        self.created.append(instance)
+        return instance
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        await asyncio.sleep(0.01)  # a tool that takes time: other conversations keep generating
+        return str(int(parameters["a"]) + int(parameters["b"])), 0.5, {}
+
+    async def release(self, instance_id, **kwargs):
+        self.released.append(instance_id)
+
+
+class BrokenTool(BaseTool):
+    def __init__(self):
+        super().__init__({}, ToolSchema("broken"))
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        raise RuntimeError("disk on fire")
+
+
+class Script:
+    """Forces the model to write ``turns[k]`` then EOS on its k-th turn."""
+
+    def __init__(self, tokenizer, turns: list[str]):
+        self.turns = [tokenizer.encode(t, add_special_tokens=False) + [EOS] for t in turns]
+        self.turn = 0
+
+    def __call__(self, generated: list[int], logits: torch.Tensor) -> torch.Tensor:
+        script = self.turns[min(self.turn, len(self.turns) - 1)]
+        position = len(generated)
+        token = script[position] if position < len(script) else EOS
+        if position == len(script) - 1:
+            self.turn += 1
+        forced = torch.full_like(logits, float("-inf"))
+        forced[token] = 0.0
+        return forced
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    return tokenizer, EngineModel.from_hf_module(model, 1024)
+
+
+def _loop(setup, tools, **limits):
+    tokenizer, engine_model = setup
+    engine = LLMEngine(engine_model, 8, 1024, eos_token_ids=[EOS])
+    limits = MultiTurnLimits(**{"response_length": 200, "max_parallel_calls": 2, **limits})
+    loop = ToolAgentLoop(
+        engine, tokenizer, {t.name: t for t in tools}, get_tool_call_parser("hermes"), limits, [EOS]
+    )
+    return tokenizer, loop
+
+
+def _prompt(tokenizer, text="What is 2 + 3 + 10?"):
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+    return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def _call(a, b, name="add"):
+    return f'<tool_call>{{"name": "{name}", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>'
+
+
+def test_two_tool_calls_then_an_answer_and_the_mask_marks_exactly_the_generated_tokens(setup):
+    add = AddTool()
+    tokenizer, loop = _loop(setup, [add])
+    turns = [_call(2, 3), _call(5, 10), "The answer is 15"]
+    params = SamplingParams(logits_processor=Script(tokenizer, turns))
+    conv = asyncio.run(loop.run(_prompt(tokenizer), params))
+
+    generated = [tokenizer.encode(t, add_special_tokens=False) + [EOS] for t in turns]
+    tool_5, tool_15 = loop.renderer.tool_turn_ids(["5"]), loop.renderer.tool_turn_ids(["15"])
+    assert conv.response_ids == generated[0] + tool_5 + generated[1] + tool_15 + generated[2]
+    expected_mask = [1] * len(generated[0]) + [0] * len(tool_5) + [1] * len(generated[1])
+    expected_mask += [0] * len(tool_15) + [1] * len(generated[2])
+    assert conv.response_mask == expected_mask
+    assert all(lp == 0.0 for lp in conv.log_probs)  # forced tokens have probability 1
+    assert "5" in tokenizer.decode(tool_5) and "tool" in tokenizer.decode(tool_5)
+    assert (conv.assistant_turns, conv.user_turns, conv.tool_calls, conv.tool_failures) == (3, 2, 2, 0)
+    assert conv.finish_reason == "stop" and conv.state.value == "completed"
+    assert conv.tool_reward == pytest.approx(1.0)  # two step rewards of 0.5
+    assert add.created == add.released and len(add.created) == 1  # one instance per sample, released
+
+
+def test_malformed_json_unknown_tool_and_a_raising_tool_become_error_turns(setup):
+    tokenizer, loop = _loop(setup, [AddTool(), BrokenTool()], response_length=900)
+    turns = [
+        '<tool_call>{"name": "add", "arguments": {bad</tool_call>',
+        '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "broken", "arguments": {}}</tool_call>',
+        _call(1, 1).replace(', "b": 1', ""),  # missing a required argument
+        "I give up",
+    ]
+    conv = asyncio.run(
+        loop.run(_prompt(tokenizer), SamplingParams(logits_processor=Script(tokenizer, turns)))
+    )
+    tool_turns = tokenizer.decode([t for t, m in zip(conv.response_ids, conv.response_mask) if m == 0])
+    assert "not valid JSON" in tool_turns
+    assert "unknown tool 'nope'" in tool_turns
+    assert "RuntimeError: disk on fire" in tool_turns
+    assert "missing required argument(s): b" in tool_turns
+    assert conv.tool_failures == 4 and conv.assistant_turns == 5 and conv.finish_reason == "stop"
+
+
+def test_turn_and_length_limits(setup):
+    tokenizer, loop = _loop(setup, [AddTool()], max_assistant_turns=2)
+    script = Script(tokenizer, [_call(1, 2), _call(3, 4), _call(5, 6), "done"])
+    conv = asyncio.run(loop.run(_prompt(tokenizer), SamplingParams(logits_processor=script)))
+    assert conv.assistant_turns == 2 and conv.finish_reason == "max_assistant_turns"
+
+    tokenizer, loop = _loop(setup, [AddTool()], response_length=30)
+    script = Script(tokenizer, [_call(1, 2), _call(3, 4), "done"])
+    conv = asyncio.run(loop.run(_prompt(tokenizer), SamplingParams(logits_processor=script)))
+    assert len(conv.response_ids) == 30 == len(conv.response_mask) and conv.finish_reason == "length"
+
+
+def test_concurrent_conversations_keep_their_order(setup):
+    tokenizer, loop = _loop(setup, [AddTool()])
+    pairs = [(i, 10 * i) for i in range(1, 6)]
+    params = [
+        SamplingParams(logits_processor=Script(tokenizer, [_call(a, b), f"The answer is {a + b}"]))
+        for a, b in pairs
+    ]
+    prompts = [_prompt(tokenizer, f"What is {a} + {b}?") for a, b in pairs]
+    convs = asyncio.run(loop.run_batch(prompts, params, [None] * len(pairs)))
+    for (a, b), prompt, conv in zip(pairs, prompts, convs, strict=True):
+        assert conv.prompt_ids == prompt
+        assert tokenizer.decode(conv.response_ids, skip_special_tokens=True).endswith(
+            f"The answer is {a + b}"
+        )
+
+
+def test_truncate_text_sides():
+    text = "abcdefghijklmnopqrstuvwxyz" * 4
+    for side in ("left", "right", "middle"):
+        out = truncate_text(text, 40, side)
+        assert len(out) == 40 and "truncated" in out
+    assert truncate_text("short", 40) == "short"
