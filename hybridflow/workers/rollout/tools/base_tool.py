@@ -16,11 +16,14 @@ from typing import Any
 
 @dataclass
 class ToolSchema:
-    """An OpenAI function-tool schema: ``{"type": "function", "function": {name, description, parameters}}``."""
+    """An OpenAI function-tool schema:
+    ``{"type": "function", "function": {name, description, parameters}}``."""
 
     name: str
     description: str = ""
-    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}, "required": []})
+    parameters: dict[str, Any] = field(
+        default_factory=lambda: {"type": "object", "properties": {}, "required": []}
+    )
 
     @classmethod
     def from_dict(cls, schema: dict[str, Any]) -> ToolSchema:
@@ -30,7 +33,9 @@ class ToolSchema:
         return cls(
             name=str(function["name"]),
             description=str(function.get("description", "")),
-            parameters=dict(function.get("parameters") or {"type": "object", "properties": {}, "required": []}),
+            parameters=dict(
+                function.get("parameters") or {"type": "object", "properties": {}, "required": []}
+            ),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -58,10 +63,13 @@ class BaseTool:
         return self.tool_schema.to_dict()
 
     async def create(self, instance_id: str | None = None, **kwargs) -> str:
-        """Start a per-sample instance (``kwargs`` come from ``extra_info.tools_kwargs[name].create_kwargs``)."""
+        """Start a per-sample instance; ``kwargs`` come from
+        ``extra_info.tools_kwargs[name].create_kwargs``."""
         return instance_id or str(uuid.uuid4())
 
-    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[str, float, dict]:
+    async def execute(
+        self, instance_id: str, parameters: dict[str, Any], **kwargs
+    ) -> tuple[str, float, dict]:
         """Run one call; returns ``(response_text, step_reward, metrics)``."""
         raise NotImplementedError
 

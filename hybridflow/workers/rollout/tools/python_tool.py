@@ -1,0 +1,91 @@
+"""A code-interpreter tool: runs the model's Python in :mod:`~hybridflow.workers.rollout.tools.sandbox`.
+
+Tool config keys (all optional) mirror :class:`~hybridflow.workers.rollout.tools.sandbox.SandboxLimits`:
+``wall_timeout_s``, ``cpu_time_s``, ``memory_mb``, ``max_processes``, ``max_output_bytes``,
+``max_file_bytes``, ``max_open_files``, ``use_network_namespace``, ``drop_privileges``,
+``import_site_packages``; plus ``work_root``, the directory the per-call temporary directories go in.
+verl's ``default_timeout`` and ``memory_limit_mb`` are read as ``wall_timeout_s`` and ``memory_mb``.
+Each :meth:`PythonTool.execute` call is a fresh process: nothing carries over between calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hybridflow.workers.rollout.tools.base_tool import BaseTool, ToolSchema
+from hybridflow.workers.rollout.tools.sandbox import SandboxLimits, SandboxResult, run_python
+
+PYTHON_TOOL_SCHEMA: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "code_interpreter",
+        "description": (
+            "Run a self-contained Python 3 script and return what it prints (stdout, then stderr). "
+            "Only the standard library is available, there is no network, and nothing persists between "
+            "calls. Use print() to see results."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {"code": {"type": "string", "description": "The Python source code to run."}},
+            "required": ["code"],
+        },
+    },
+}
+_LIMIT_NAMES = [limit_field.name for limit_field in dataclasses.fields(SandboxLimits)]
+# verl's SandboxFusionTool config keys (its class path maps to this tool) -> our names
+VERL_CONFIG_ALIASES = {"default_timeout": "wall_timeout_s", "memory_limit_mb": "memory_mb"}
+
+
+def limits_from_config(config: dict[str, Any]) -> SandboxLimits:
+    """:class:`SandboxLimits` with every field the config names overridden (unknown keys are ignored)."""
+    config = {
+        **{ours: config[verl] for verl, ours in VERL_CONFIG_ALIASES.items() if verl in config},
+        **config,
+    }
+    defaults = SandboxLimits()
+    overrides = {}
+    for name in _LIMIT_NAMES:
+        if config.get(name) is not None:
+            overrides[name] = type(getattr(defaults, name))(config[name])
+    return dataclasses.replace(defaults, **overrides)
+
+
+def format_response(result: SandboxResult, wall_timeout_s: float) -> str:
+    """stdout, then stderr, then one bracketed line about how the run ended when that is worth saying."""
+    parts = [text.rstrip("\n") for text in (result.stdout, result.stderr) if text.strip()]
+    if result.timed_out:
+        parts.append(f"[timed out after {wall_timeout_s}s]")
+    elif result.killed_reason is not None:
+        parts.append(f"[killed: {result.killed_reason}]")
+    elif result.exit_code not in (0, None):
+        parts.append(f"[exit code {result.exit_code}]")
+    return "\n".join(parts) if parts else "[no output]"
+
+
+class PythonTool(BaseTool):
+    """``code_interpreter``: each call runs ``parameters["code"]`` in a fresh sandboxed process."""
+
+    def __init__(self, config: dict[str, Any] | None = None, tool_schema: ToolSchema | None = None) -> None:
+        super().__init__(config or {}, tool_schema or ToolSchema.from_dict(PYTHON_TOOL_SCHEMA))
+        self.limits = limits_from_config(self.config)
+        self.work_root = self.config.get("work_root")
+
+    async def execute(
+        self, instance_id: str, parameters: dict[str, Any], **kwargs
+    ) -> tuple[str, float, dict]:
+        """Returns ``(response_text, 0.0, metrics)``; bad input gives an error message, never an exception."""
+        code = parameters.get("code") if isinstance(parameters, dict) else None
+        if not isinstance(code, str):
+            problem = "is missing" if code is None else f"must be a string, got {type(code).__name__}"
+            return f"Error: the 'code' argument {problem}.", 0.0, {"error": "bad arguments"}
+        if not code.strip():
+            return "Error: the 'code' argument is empty.", 0.0, {"error": "bad arguments"}
+        result = await run_python(code, self.limits, work_root=self.work_root)
+        metrics = {
+            "exit_code": result.exit_code,
+            "timed_out": result.timed_out,
+            "killed_reason": result.killed_reason,
+            "duration_s": result.duration_s,
+        }
+        return format_response(result, self.limits.wall_timeout_s), 0.0, metrics
