@@ -114,3 +114,60 @@ def test_rollout_log_probs_match_the_actor_forward(sharded_actor):
     diff = (output.batch[keys.ROLLOUT_LOG_PROBS] - recomputed).abs()[mask]
     assert diff.max().item() <= 1e-5
     assert output.meta_info["temperature"] == 0.7
+
+
+def test_multi_turn_rollout_masks_tool_turns_and_reports_tool_columns(
+    sharded_actor, tiny_model_dir, tmp_path, monkeypatch
+):
+    import numpy as np
+
+    from hybridflow.models.loading import load_tokenizer
+    from hybridflow.tasks.arithmetic_tools import TOOL_NAME, task_config, write_tool_task
+    from hybridflow.workers.rollout.engine import SamplingParams
+    from tests.workers.rollout.test_multi_turn import Script
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    _, _, tools = write_tool_task(tmp_path, task_config(num_train=4, num_test=2))
+    config = _rollout_config(
+        **{
+            "data.max_prompt_length": 40,
+            "data.max_response_length": 300,
+            "actor_rollout_ref.rollout.multi_turn.enable": True,
+            "actor_rollout_ref.rollout.multi_turn.tool_config_path": str(tools),
+        }
+    )
+    rollout = EngineRollout(sharded_actor, config, tokenizer=tokenizer)
+    call = f'<tool_call>{{"name": "{TOOL_NAME}", "arguments": {{"code": "print(123 * 456)"}}}}</tool_call>'
+    script = Script(tokenizer, [call, "56088"])
+    monkeypatch.setattr(
+        rollout,
+        "_sampling_params",
+        lambda meta, eos, length: SamplingParams(length, stop_token_ids=tuple(eos), logits_processor=script),
+    )
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 123 * 456?"}], tokenize=False, add_generation_prompt=True
+    )
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    ids = torch.tensor([[PAD] * (40 - len(prompt)) + prompt])
+    mask = (ids != PAD).long()
+    data = DataProto.from_dict(
+        {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)},
+        non_tensors={"tools_kwargs": np.array([{TOOL_NAME: {"create_kwargs": {}}}], dtype=object)},
+    )
+    data.meta_info = {"eos_token_id": [EOS], "pad_token_id": PAD, "global_steps": 1}
+
+    out = rollout.generate_sequences(data)
+    response_mask = out.batch[keys.RESPONSE_MASK][0]
+    present = out.batch[keys.ATTENTION_MASK][0, 40:]
+    length = int(present.sum())
+    responses = out.batch[keys.RESPONSES][0]
+    tool_tokens = responses[:length][response_mask[:length] == 0].tolist()
+    assert "56088" in tokenizer.decode(tool_tokens)  # the sandbox computed it, in a masked tool turn
+    assert tokenizer.decode(responses[:length][response_mask[:length] == 1].tolist()).endswith(
+        "56088<|im_end|>"
+    )
+    assert response_mask[:length].sum() < length and not response_mask[length:].any()
+    assert (out.batch[keys.ROLLOUT_LOG_PROBS][0] * (1 - response_mask)).abs().sum() == 0
+    assert out.non_tensor_batch["tool_calls"].tolist() == [1]
+    assert out.non_tensor_batch["tool_failures"].tolist() == [0]
+    assert out.non_tensor_batch["__num_turns__"].tolist() == [3]
