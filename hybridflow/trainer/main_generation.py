@@ -37,6 +37,7 @@ def run_generation(config: DictConfig) -> str:
     from hybridflow.models.loading import get_generation_eos_ids, load_tokenizer
     from hybridflow.workers.model_builder import import_external_lib
     from hybridflow.workers.rollout.base import generation_seed
+    from hybridflow.workers.rollout.engine_rollout import engine_sampling_params
 
     OmegaConf.resolve(config)
     validate_generation_config(config)
@@ -58,8 +59,8 @@ def run_generation(config: DictConfig) -> str:
         where=str(data.path),
     )
     n, batch_size = int(data.n_samples), int(data.batch_size)
-    engine = build_engine(config, get_generation_eos_ids(tokenizer))
-    params = build_sampling_params(rollout)
+    engine = build_engine(config)
+    params = engine_sampling_params(rollout, {}, get_generation_eos_ids(tokenizer))
     responses: list[list[str]] = []
     generated_tokens, start = 0, time.perf_counter()
     starts = range(0, len(prompts), batch_size)
@@ -190,50 +191,17 @@ def prompt_token_ids(
     return [cut(ids, prompt_length) if len(ids) > prompt_length else ids for ids in ids_per_row]
 
 
-def build_engine(config: DictConfig, eos_ids: list[int]):
+def build_engine(config: DictConfig):
     """The embedded engine holding a copy of ``model.path``'s weights (the HF module is dropped)."""
     from hybridflow.workers.model_builder import load_hf_model
-    from hybridflow.workers.rollout.engine import EngineModel, LLMEngine
-    from hybridflow.workers.rollout.engine.kv_cache import slots_for_budget
-    from hybridflow.workers.rollout.engine_rollout import DTYPES, kv_cache_budget_bytes
+    from hybridflow.workers.rollout.engine import EngineModel
+    from hybridflow.workers.rollout.engine_rollout import DTYPES, build_llm_engine, engine_max_len
 
-    rollout = config.rollout
-    max_len = int(rollout.max_model_len or int(rollout.prompt_length) + int(rollout.response_length))
-    dtype = DTYPES[str(rollout.dtype)]
+    dtype = DTYPES[str(config.rollout.dtype)]
     module = load_hf_model(config.model, "causal_lm", dtype).to(str(config.trainer.device)).eval()
-    model = EngineModel.from_hf_module(module, max_len, dtype=dtype)
+    model = EngineModel.from_hf_module(module, engine_max_len(config.rollout), dtype=dtype)
     del module
-    budget = kv_cache_budget_bytes(rollout, model.device)
-    slots = slots_for_budget(model.spec, max_len, dtype, budget, int(rollout.max_num_seqs))
-    if slots < int(config.data.n_samples):
-        raise MemoryError(
-            f"the KV-cache budget holds {slots} sequences of {max_len} tokens, fewer than "
-            f"data.n_samples={config.data.n_samples}; raise rollout.kv_cache_memory_gb or lower the lengths"
-        )
-    return LLMEngine(
-        model,
-        max_num_seqs=slots,
-        max_model_len=max_len,
-        eos_token_ids=eos_ids,
-        max_num_batched_tokens=int(rollout.max_num_batched_tokens),
-        seed=int(rollout.seed),
-    )
-
-
-def build_sampling_params(rollout):
-    """Engine sampling settings from the ``rollout`` section (greedy when ``do_sample`` is off)."""
-    from hybridflow.workers.rollout.base import sampling_params
-    from hybridflow.workers.rollout.engine import SamplingParams
-
-    chosen = sampling_params(rollout, {})
-    return SamplingParams(
-        max_new_tokens=int(rollout.response_length),
-        temperature=chosen["temperature"],
-        top_k=chosen["top_k"],
-        top_p=chosen["top_p"],
-        do_sample=chosen["do_sample"],
-        ignore_eos=bool(rollout.ignore_eos),
-    )
+    return build_llm_engine(model, config.rollout)
 
 
 def write_responses(table, responses: list[list[str]], output_path: str) -> str:

@@ -78,22 +78,31 @@ def assemble_output(
     eos_ids: list[int],
     pad_id: int,
     rollout_log_probs: torch.Tensor | None = None,
+    response_mask: torch.Tensor | None = None,
+    response_attention: torch.Tensor | None = None,
 ) -> DataProto:
     """Build the standard rollout output from left-padded prompts and raw generated ids (B, T_r).
 
-    Tokens after the first EOS become ``pad_id``; positions continue from each prompt's last position."""
+    By default tokens after the first EOS become ``pad_id`` and ``response_mask`` is 1 up to and
+    including it. Multi-turn rollouts pass their own ``response_mask`` (1 on generated tokens only)
+    and ``response_attention`` (1 on every response token, tool turns too), both (B, T_r), with
+    ``responses`` already padded. Positions continue from each prompt's last position."""
     prompt_ids = prompts.batch[keys.INPUT_IDS]
     prompt_mask = prompts.batch[keys.ATTENTION_MASK]
     prompt_pos = prompts.batch[keys.POSITION_IDS]
-    response_mask = get_response_mask(responses, eos_ids, dtype=prompt_mask.dtype)
-    responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad_id))
+    if response_mask is None:
+        response_mask = get_response_mask(responses, eos_ids, dtype=prompt_mask.dtype)
+        responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad_id))
+    response_mask = response_mask.to(prompt_mask.dtype)
+    if response_attention is None:
+        response_attention = response_mask
     steps = torch.arange(1, responses.shape[1] + 1, dtype=prompt_pos.dtype).unsqueeze(0)
     tensors = {
         keys.PROMPTS: prompt_ids,
         keys.RESPONSES: responses,
         keys.RESPONSE_MASK: response_mask,
         keys.INPUT_IDS: torch.cat([prompt_ids, responses], dim=1),
-        keys.ATTENTION_MASK: torch.cat([prompt_mask, response_mask], dim=1),
+        keys.ATTENTION_MASK: torch.cat([prompt_mask, response_attention.to(prompt_mask.dtype)], dim=1),
         keys.POSITION_IDS: torch.cat([prompt_pos, prompt_pos[:, -1:] + steps], dim=1),
     }
     if rollout_log_probs is not None:

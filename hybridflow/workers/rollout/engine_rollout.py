@@ -10,6 +10,7 @@ one parameter at a time after each update. The KV cache lives only while generat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -59,12 +60,54 @@ def available_ram_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def engine_max_len(config) -> int:
+    """Positions per sequence: ``max_model_len``, else ``prompt_length + response_length``."""
+    return int(config.get("max_model_len") or int(config.prompt_length) + int(config.response_length))
+
+
+def build_llm_engine(model: EngineModel, config, eos_token_ids=()) -> LLMEngine:
+    """An engine over ``model`` sized by a rollout config section (KV-cache budget, batch limits, seed)."""
+    max_len = engine_max_len(config)
+    budget = kv_cache_budget_bytes(config, model.device)
+    slots = slots_for_budget(model.spec, max_len, model.dtype, budget, int(config.get("max_num_seqs", 256)))
+    return LLMEngine(
+        model,
+        max_num_seqs=slots,
+        max_model_len=max_len,
+        eos_token_ids=list(eos_token_ids),
+        max_num_batched_tokens=int(config.get("max_num_batched_tokens", 8192)),
+        seed=int(config.get("seed", 0)),
+    )
+
+
+def engine_sampling_params(config, meta: dict, eos_ids: list[int]) -> SamplingParams:
+    """Engine sampling settings for one generate call (``val_kwargs`` when validating, greedy when
+    ``do_sample`` is off; stops at ``eos_ids`` unless ``ignore_eos``)."""
+    chosen = sampling_params(config, meta)
+    return SamplingParams(
+        max_new_tokens=int(config.response_length),
+        temperature=chosen["temperature"],
+        top_k=chosen["top_k"],
+        top_p=chosen["top_p"],
+        do_sample=chosen["do_sample"],
+        stop_token_ids=() if config.get("ignore_eos", False) else tuple(eos_ids),
+        logprobs=True,
+    )
+
+
+def unpadded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
+    """Left-padded rows (B, T_p) → each row's prompt ids without padding."""
+    return [
+        [t for t, m in zip(ids, mask, strict=True) if m]
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True)
+    ]
+
+
 def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[tuple[list[int], int]]:
     """Left-padded rows (B, T_p) → [(prompt ids, how many consecutive rows repeat it)]: the ``n``
     samples of one prompt arrive as neighbouring rows and share one prefill."""
     groups: list[tuple[list[int], int]] = []
-    for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True):
-        prompt = [t for t, m in zip(ids, mask, strict=True) if m]
+    for prompt in unpadded_rows(input_ids, attention_mask):
         if groups and groups[-1][0] == prompt:
             groups[-1] = (prompt, groups[-1][1] + 1)
         else:
@@ -82,22 +125,10 @@ class EngineRollout(BaseRollout):
         self._agent_loop = None
         if config.get("name") in ("vllm", "sglang") and rank == 0:
             logger.warning("rollout.name=%s: using hybridflow's embedded engine instead", config.name)
-        max_len = int(config.get("max_model_len") or int(config.prompt_length) + int(config.response_length))
         dtype = DTYPES[str(config.get("dtype", "fp32"))]
-        self.model = EngineModel.empty_like_hf_module(module, max_len, dtype=dtype)
+        self.model = EngineModel.empty_like_hf_module(module, engine_max_len(config), dtype=dtype)
         self.last_sync = sync_weights(self.model, module)
-        budget = kv_cache_budget_bytes(config, self.model.device)
-        slots = slots_for_budget(
-            self.model.spec, max_len, dtype, budget, int(config.get("max_num_seqs", 256))
-        )
-        self.engine = LLMEngine(
-            self.model,
-            max_num_seqs=slots,
-            max_model_len=max_len,
-            eos_token_ids=[],
-            max_num_batched_tokens=int(config.get("max_num_batched_tokens", 8192)),
-            seed=int(config.get("seed", 0)),
-        )
+        self.engine = build_llm_engine(self.model, config)
         self.free_cache = bool(config.get("free_cache_engine", True))
         if self.free_cache:
             self.engine.release()
@@ -113,37 +144,30 @@ class EngineRollout(BaseRollout):
     def resume(self) -> None:
         self.engine.resume()
 
+    @contextlib.contextmanager
+    def _kv_cache(self):
+        """The KV cache exists for the duration (and is freed after it with ``free_cache_engine``)."""
+        self.resume()
+        try:
+            yield
+        finally:
+            if self.free_cache:
+                self.release()
+
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         meta = prompts.meta_info
         eos_ids = meta["eos_token_id"] if isinstance(meta["eos_token_id"], list) else [meta["eos_token_id"]]
         pad_id = int(meta["pad_token_id"])
-        response_length = int(self.config.response_length)
-        params = self._sampling_params(meta, eos_ids, response_length)
+        params = engine_sampling_params(self.config, meta, eos_ids)
         self.engine.reseed(
             generation_seed(self.config.get("seed", 0), meta.get("global_steps", 0), self.rank)
         )
-        if self.multi_turn:
-            return self._generate_conversations(prompts, params, eos_ids, pad_id)
-        groups = prompt_groups(prompts.batch[keys.INPUT_IDS], prompts.batch[keys.ATTENTION_MASK])
         start = time.perf_counter()
-        self.resume()
-        try:
-            requests = [self.engine.add_request(prompt, params, n) for prompt, n in groups]
-            while self.engine.has_unfinished():
-                self.engine.step()
-        finally:
-            if self.free_cache:
-                self.release()
-        completions = [c for r in requests for c in r.completions]
-        responses = torch.full((len(completions), response_length), pad_id, dtype=torch.long)
-        log_probs = torch.zeros(len(completions), response_length, dtype=torch.float32)
-        for row, completion in enumerate(completions):
-            responses[row, : len(completion.token_ids)] = torch.tensor(completion.token_ids)
-            log_probs[row, : len(completion.log_probs)] = torch.tensor(completion.log_probs)
-        output = assemble_output(
-            prompts, responses, eos_ids, pad_id, log_probs if self.config.get("calculate_log_probs") else None
-        )
+        if self.multi_turn:
+            output = self._generate_conversations(prompts, params, eos_ids, pad_id)
+        else:
+            output = self._generate_single_turn(prompts, params, eos_ids, pad_id)
         output.meta_info.update(
             {
                 "temperature": params.temperature or 1.0,
@@ -152,16 +176,21 @@ class EngineRollout(BaseRollout):
         )
         return output
 
-    def _sampling_params(self, meta: dict, eos_ids: list[int], response_length: int) -> SamplingParams:
-        chosen = sampling_params(self.config, meta)
-        return SamplingParams(
-            max_new_tokens=response_length,
-            temperature=chosen["temperature"],
-            top_k=chosen["top_k"],
-            top_p=chosen["top_p"],
-            do_sample=chosen["do_sample"],
-            stop_token_ids=() if self.config.get("ignore_eos", False) else tuple(eos_ids),
-            logprobs=True,
+    def _generate_single_turn(self, prompts: DataProto, params: SamplingParams, eos_ids, pad_id) -> DataProto:
+        groups = prompt_groups(prompts.batch[keys.INPUT_IDS], prompts.batch[keys.ATTENTION_MASK])
+        with self._kv_cache():
+            requests = [self.engine.add_request(prompt, params, n) for prompt, n in groups]
+            while self.engine.has_unfinished():
+                self.engine.step()
+        completions = [c for r in requests for c in r.completions]
+        response_length = int(self.config.response_length)
+        responses = torch.full((len(completions), response_length), pad_id, dtype=torch.long)
+        log_probs = torch.zeros(len(completions), response_length, dtype=torch.float32)
+        for row, completion in enumerate(completions):
+            responses[row, : len(completion.token_ids)] = torch.tensor(completion.token_ids)
+            log_probs[row, : len(completion.log_probs)] = torch.tensor(completion.log_probs)
+        return assemble_output(
+            prompts, responses, eos_ids, pad_id, log_probs if self.config.get("calculate_log_probs") else None
         )
 
     def _generate_conversations(
@@ -172,34 +201,15 @@ class EngineRollout(BaseRollout):
 
         if self._agent_loop is None:
             self._agent_loop = build_agent_loop(self.engine, self.tokenizer, self.config, eos_ids)
-        rows = [
-            [t for t, m in zip(ids, mask, strict=True) if m]
-            for ids, mask in zip(
-                prompts.batch[keys.INPUT_IDS].tolist(),
-                prompts.batch[keys.ATTENTION_MASK].tolist(),
-                strict=True,
-            )
-        ]
+        rows = unpadded_rows(prompts.batch[keys.INPUT_IDS], prompts.batch[keys.ATTENTION_MASK])
         tools_kwargs = prompts.non_tensor_batch.get("tools_kwargs")
         kwargs = [tools_kwargs[i] if tools_kwargs is not None else None for i in range(len(rows))]
-        start = time.perf_counter()
-        self.resume()
-        try:
+        with self._kv_cache():
             convs = asyncio.run(self._agent_loop.run_batch(rows, [params] * len(rows), kwargs))
-        finally:
-            if self.free_cache:
-                self.release()
-        output = assemble_conversations(
+        return assemble_conversations(
             prompts,
             convs,
             pad_id,
             int(self.config.response_length),
             bool(self.config.get("calculate_log_probs")),
         )
-        output.meta_info.update(
-            {
-                "temperature": params.temperature or 1.0,
-                "metrics": {"engine_generate": time.perf_counter() - start},
-            }
-        )
-        return output

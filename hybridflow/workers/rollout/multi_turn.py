@@ -280,17 +280,17 @@ def build_agent_loop(
 
 
 def assemble_conversations(
-    prompts, conversations: list[Conversation], pad_id: int, response_length: int, with_log_probs: bool
+    prompts, conversations: list[Conversation], pad_id: int, response_length: int, with_log_probs: bool = True
 ):
-    """The standard rollout output for finished conversations. ``response_mask`` (B, T_r) is 1 only on
-    generated tokens; the response part of ``attention_mask`` is 1 on every token (tool turns too).
+    """The standard rollout output (:func:`~hybridflow.workers.rollout.base.assemble_output`) for
+    finished conversations: ``response_mask`` (B, T_r) is 1 only on generated tokens, the response
+    part of ``attention_mask`` on every token (tool turns too), ``rollout_log_probs`` 0 on tool tokens.
     Per-row ``__num_turns__``, ``tool_calls``, ``tool_failures`` and ``tool_rewards`` ride along as
     non-tensor columns."""
     import numpy as np
     import torch
 
-    from hybridflow import keys
-    from hybridflow.protocol import DataProto
+    from hybridflow.workers.rollout.base import assemble_output
 
     rows = len(conversations)
     responses = torch.full((rows, response_length), pad_id, dtype=torch.long)
@@ -303,23 +303,23 @@ def assemble_conversations(
         response_mask[row, :n] = torch.tensor(conv.response_mask, dtype=torch.long)
         log_probs[row, :n] = torch.tensor(conv.log_probs, dtype=torch.float32)
         present[row, :n] = 1
-    prompt_ids, prompt_mask = prompts.batch[keys.INPUT_IDS], prompts.batch[keys.ATTENTION_MASK]
-    prompt_pos = prompts.batch[keys.POSITION_IDS]
-    steps = torch.arange(1, response_length + 1, dtype=prompt_pos.dtype).unsqueeze(0)
-    tensors = {
-        keys.PROMPTS: prompt_ids,
-        keys.RESPONSES: responses,
-        keys.RESPONSE_MASK: response_mask.to(prompt_mask.dtype),
-        keys.INPUT_IDS: torch.cat([prompt_ids, responses], dim=1),
-        keys.ATTENTION_MASK: torch.cat([prompt_mask, present.to(prompt_mask.dtype)], dim=1),
-        keys.POSITION_IDS: torch.cat([prompt_pos, prompt_pos[:, -1:] + steps], dim=1),
-    }
-    if with_log_probs:
-        tensors[keys.ROLLOUT_LOG_PROBS] = log_probs * response_mask
-    columns = {
-        "__num_turns__": np.array([c.assistant_turns + c.user_turns for c in conversations], dtype=np.int64),
-        "tool_calls": np.array([c.tool_calls for c in conversations], dtype=np.int64),
-        "tool_failures": np.array([c.tool_failures for c in conversations], dtype=np.int64),
-        "tool_rewards": np.array([c.tool_reward for c in conversations], dtype=np.float64),
-    }
-    return DataProto.from_dict(tensors, non_tensors=columns, meta_info={})
+    output = assemble_output(
+        prompts,
+        responses,
+        [],
+        pad_id,
+        log_probs if with_log_probs else None,
+        response_mask=response_mask,
+        response_attention=present,
+    )
+    output.non_tensor_batch.update(
+        {
+            "__num_turns__": np.array(
+                [c.assistant_turns + c.user_turns for c in conversations], dtype=np.int64
+            ),
+            "tool_calls": np.array([c.tool_calls for c in conversations], dtype=np.int64),
+            "tool_failures": np.array([c.tool_failures for c in conversations], dtype=np.int64),
+            "tool_rewards": np.array([c.tool_reward for c in conversations], dtype=np.float64),
+        }
+    )
+    return output

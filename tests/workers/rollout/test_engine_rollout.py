@@ -8,6 +8,7 @@ from hybridflow import keys
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.config import load_config
 from hybridflow.workers.fsdp_utils import apply_fsdp2, build_device_mesh, full_state_dict
+from hybridflow.workers.rollout import engine_rollout
 from hybridflow.workers.rollout.engine_rollout import EngineRollout, prompt_groups
 from tests.utils.checkpoint.fsdp_toy import gloo_group
 
@@ -139,10 +140,12 @@ def test_multi_turn_rollout_masks_tool_turns_and_reports_tool_columns(
     rollout = EngineRollout(sharded_actor, config, tokenizer=tokenizer)
     call = f'<tool_call>{{"name": "{TOOL_NAME}", "arguments": {{"code": "print(123 * 456)"}}}}</tool_call>'
     script = Script(tokenizer, [call, "56088"])
-    monkeypatch.setattr(
-        rollout,
-        "_sampling_params",
-        lambda meta, eos, length: SamplingParams(length, stop_token_ids=tuple(eos), logits_processor=script),
+    monkeypatch.setattr(  # script the model's turns: same stop tokens, forced token choice
+        engine_rollout,
+        "engine_sampling_params",
+        lambda cfg, meta, eos: SamplingParams(
+            int(cfg.response_length), stop_token_ids=tuple(eos), logits_processor=script
+        ),
     )
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is 123 * 456?"}], tokenize=False, add_generation_prompt=True
