@@ -91,7 +91,6 @@ def engine_sampling_params(config, meta: dict, eos_ids: list[int]) -> SamplingPa
         top_p=chosen["top_p"],
         do_sample=chosen["do_sample"],
         stop_token_ids=() if config.get("ignore_eos", False) else tuple(eos_ids),
-        logprobs=True,
     )
 
 

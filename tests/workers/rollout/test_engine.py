@@ -97,7 +97,7 @@ def test_greedy_matches_hf_generate_token_for_token(model):
 
 
 def test_sampled_log_probs_match_the_trainers_forward_in_any_batch(model):
-    params = SamplingParams(max_new_tokens=10, temperature=0.8, logprobs=True)
+    params = SamplingParams(max_new_tokens=10, temperature=0.8)
     prompts = _prompts(12, seed=1)
     big = _engine(model, slots=32, seed=3).generate_batch(prompts, params, n=2)
     rows = [(r.prompt_token_ids, c.token_ids) for r in big for c in r.completions]
@@ -237,7 +237,7 @@ def test_bf16_engine_tracks_the_fp32_model():
     engine = LLMEngine(
         EngineModel.from_hf_module(model, 64, dtype=torch.bfloat16), 8, 64, eos_token_ids=[EOS], seed=0
     )
-    results = engine.generate_batch(_prompts(6, seed=13), SamplingParams(max_new_tokens=8, logprobs=True))
+    results = engine.generate_batch(_prompts(6, seed=13), SamplingParams(max_new_tokens=8))
     rows = [(r.prompt_token_ids, c.token_ids) for r in results for c in r.completions]
     reported = torch.cat([torch.tensor(c.log_probs) for r in results for c in r.completions])
     reference = torch.cat(_hf_log_probs(model, rows))

@@ -9,14 +9,14 @@ from hybridflow.workers.rollout.engine.sampling import (
     SamplingParams,
     _top_k_top_p,
     choose_tokens,
-    sample_from_logits,
+    sample_from_probs,
 )
 
 
 def test_inverse_cdf_sampler_draws_the_softmax_distribution():
     probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
     logits = torch.log(probs).unsqueeze(0).expand(20000, 4).contiguous()
-    draws = sample_from_logits(logits, torch.Generator().manual_seed(0))
+    draws = sample_from_probs(torch.softmax(logits, dim=-1), torch.Generator().manual_seed(0))
     freq = torch.bincount(draws, minlength=4).double() / draws.numel()
     assert freq[1] == 0  # a zero-probability token is never drawn
     for p, f in zip(probs.tolist(), freq.tolist(), strict=True):

@@ -53,6 +53,7 @@ class KVCache:
         if self.allocated:
             return
         shape = (self.num_slots, self.spec.num_kv_heads, self.max_len, self.spec.head_dim)
+        # zeros, not empty: masked positions still meet V in attention (0 x NaN garbage would be NaN)
         self.layers = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),

@@ -24,7 +24,6 @@ class SamplingParams:
     do_sample: bool = True
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: bool = False
     # (this sequence's generated ids, its logits (V,)) -> logits: constrains or scripts generation;
     # reported log-probs are then those of the processed logits
     logits_processor: Callable[[list[int], torch.Tensor], torch.Tensor] | None = None
@@ -61,11 +60,6 @@ def choose_tokens(
         probs = log_probs.exp()
     tokens = sample_from_probs(probs, generator)
     return tokens, log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-
-
-def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row from ``softmax(logits)`` (B, V) → (B,)."""
-    return sample_from_probs(torch.softmax(logits, dim=-1), generator)
 
 
 def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
