@@ -132,7 +132,10 @@ def test_hermes_unterminated_final_block_is_an_error():
 def test_hermes_never_raises_on_odd_input():
     parser = HermesParser()
     for text in ["", "</tool_call>", "<tool_call></tool_call>", "<tool_call>", None, "[" * 100000]:
-        parser.parse(text)
+        content, calls, errors = parser.parse(text)
+        assert isinstance(content, str) and calls == []
+        if text and text.startswith("<tool_call>"):
+            assert len(errors) == 1  # an empty or unterminated block is reported, not dropped
 
 
 def test_unknown_format_lists_registered():
