@@ -9,6 +9,15 @@ into them. The model is instantiated on the meta device from ``huggingface/confi
 in checkpoint_meta.json, e.g. ``Qwen2ForTokenClassification`` for a critic), the full tensors are assigned to
 it after a strict key check, tied weights are re-tied, and ``save_pretrained`` writes safetensors. The
 tokenizer/processor files and generation config are copied from ``huggingface/`` (or ``--hf_model_path``).
+
+A LoRA checkpoint (``trainable_only`` in its meta) holds only the adapter. The base model is loaded from
+``--base_model_path`` (default: the path recorded in ``huggingface/lora_adapter/adapter_config.json``),
+the adapter is attached and filled with the saved tensors, and ``--lora_export merged`` (default) writes
+the base model with the adapter merged in, ``--lora_export adapter`` peft's adapter directory
+(``adapter_config.json`` + ``adapter_model.safetensors``, loadable with ``PeftModel.from_pretrained``).
+
+    python -m hybridflow.model_merger merge --local_dir ckpt/global_step_8/actor --target_dir out/ \
+        [--lora_export merged|adapter] [--base_model_path base_model/]
 """
 
 from __future__ import annotations
@@ -22,7 +31,12 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.utils.checkpoint.fsdp_checkpoint_manager import HF_DIR, MODEL_DIR, read_checkpoint_meta
+from hybridflow.utils.checkpoint.fsdp_checkpoint_manager import (
+    ADAPTER_DIR,
+    HF_DIR,
+    MODEL_DIR,
+    read_checkpoint_meta,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -104,13 +118,48 @@ def _copy_hf_files(hf_src: Path, target_dir: Path) -> None:
             shutil.copy2(path, target_dir / path.name)
 
 
+def _lora_model(local_dir: Path, hf_src: Path, base_model_path: str | Path | None):
+    """The base model with the checkpoint's adapter attached and loaded (a peft model, CPU, eval)."""
+    import json
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    adapter_dir = local_dir / HF_DIR / ADAPTER_DIR
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"LoRA checkpoint {local_dir} has no {adapter_dir}/adapter_config.json")
+    recorded = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    base = Path(base_model_path or recorded or hf_src)
+    if not (base / "config.json").is_file():
+        raise FileNotFoundError(
+            f"base model {str(base)!r} for the LoRA checkpoint {local_dir} is not a model directory; "
+            "pass --base_model_path"
+        )
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig.from_pretrained(str(adapter_dir)))
+    adapter_state = load_dcp_model_state(local_dir / MODEL_DIR)
+    expected = {name for name, p in peft_model.named_parameters() if p.requires_grad}
+    if set(adapter_state) != expected:
+        raise ValueError(
+            f"LoRA checkpoint {local_dir} does not match its adapter config: missing "
+            f"{sorted(expected - set(adapter_state))[:5]}, unexpected {sorted(set(adapter_state) - expected)[:5]}"
+        )
+    peft_model.load_state_dict(adapter_state, strict=False)
+    return peft_model.eval()
+
+
 def merge_fsdp_checkpoint(
-    local_dir: str | Path, target_dir: str | Path, hf_model_path: str | Path | None = None
+    local_dir: str | Path,
+    target_dir: str | Path,
+    hf_model_path: str | Path | None = None,
+    lora_export: str = "merged",
+    base_model_path: str | Path | None = None,
 ) -> Path:
     """Write ``local_dir``'s weights as a Hugging Face model into ``target_dir``; returns ``target_dir``.
 
     ``hf_model_path`` overrides where config, generation config and tokenizer come from (default:
-    ``local_dir/huggingface``).
+    ``local_dir/huggingface``). For a LoRA checkpoint ``lora_export`` picks ``merged`` weights or the
+    ``adapter`` alone, on top of the base model at ``base_model_path`` (default: the recorded one).
     """
     from transformers import AutoConfig, GenerationConfig
 
@@ -122,9 +171,15 @@ def merge_fsdp_checkpoint(
     if not (hf_src / "config.json").is_file():
         raise FileNotFoundError(f"No config.json in {hf_src}; pass --hf_model_path (the base model's dir)")
 
-    config = AutoConfig.from_pretrained(hf_src)
-    state_dict = load_dcp_model_state(local_dir / MODEL_DIR)
-    model = _build_model(config, _model_class(meta.get("model_class")), state_dict)
+    if lora_export not in ("merged", "adapter"):
+        raise ValueError(f"lora_export must be 'merged' or 'adapter', got {lora_export!r}")
+    if meta.get("trainable_only"):
+        model = _lora_model(local_dir, hf_src, base_model_path)
+        model = model.merge_and_unload() if lora_export == "merged" else model
+    else:
+        config = AutoConfig.from_pretrained(hf_src)
+        state_dict = load_dcp_model_state(local_dir / MODEL_DIR)
+        model = _build_model(config, _model_class(meta.get("model_class")), state_dict)
     if (hf_src / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(hf_src)
 
@@ -150,9 +205,22 @@ def main(argv: list[str] | None = None) -> None:
     merge.add_argument("--local_dir", required=True, help="checkpoint dir, e.g. ckpt/global_step_8/actor")
     merge.add_argument("--target_dir", required=True, help="output directory for the Hugging Face model")
     merge.add_argument("--hf_model_path", default=None, help="take config/tokenizer from here instead")
+    merge.add_argument(
+        "--lora_export",
+        choices=["merged", "adapter"],
+        default="merged",
+        help="LoRA checkpoints: base weights with the adapter merged in, or the peft adapter alone",
+    )
+    merge.add_argument("--base_model_path", default=None, help="LoRA: the base model (default: recorded)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    path = merge_fsdp_checkpoint(args.local_dir, args.target_dir, hf_model_path=args.hf_model_path)
+    path = merge_fsdp_checkpoint(
+        args.local_dir,
+        args.target_dir,
+        hf_model_path=args.hf_model_path,
+        lora_export=args.lora_export,
+        base_model_path=args.base_model_path,
+    )
     print(f"Saved merged model to {path}")
 
 

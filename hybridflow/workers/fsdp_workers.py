@@ -20,6 +20,7 @@ from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.actor.dp_actor import DataParallelPPOActor
 from hybridflow.workers.critic.dp_critic import DataParallelPPOCritic
 from hybridflow.workers.fsdp_utils import build_device_mesh
+from hybridflow.workers.lora import adapter_disabled, lora_enabled
 from hybridflow.workers.model_builder import build_fsdp_module, build_training_parts, resolve_local_path
 from hybridflow.workers.rollout.base import get_rollout_cls
 
@@ -50,7 +51,7 @@ def _memory_metrics() -> dict[str, float]:
     return metrics
 
 
-def _checkpoint_manager(parts, tokenizer, contents):
+def _checkpoint_manager(parts, tokenizer, contents, trainable_only: bool = False):
     from hybridflow.utils.checkpoint import FSDPCheckpointManager
 
     return FSDPCheckpointManager(
@@ -59,6 +60,7 @@ def _checkpoint_manager(parts, tokenizer, contents):
         parts.lr_scheduler,
         processing_class=tokenizer,
         checkpoint_contents=tuple(contents),
+        trainable_only=trainable_only,
     )
 
 
@@ -145,7 +147,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             self.actor_module = self.actor_parts.module
             self.actor = DataParallelPPOActor(cfg.actor, self.actor_module, self.actor_parts.optimizer)
             self.checkpoint_manager = _checkpoint_manager(
-                self.actor_parts, self.tokenizer, cfg.actor.checkpoint.save_contents
+                self.actor_parts, self.tokenizer, cfg.actor.checkpoint.save_contents, lora_enabled(cfg.model)
             )
         elif self._is_rollout:
             self.actor_module = build_fsdp_module(
@@ -157,8 +159,16 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             )
             self._rollout_weights_stale = False  # the rollout starts from the actor's current weights
         if self._is_ref:
-            ref_module = build_fsdp_module(cfg.model, cfg.ref.fsdp_config, self.device_mesh, trainable=False)
-            self.ref_policy = DataParallelPPOActor(cfg.ref, ref_module)
+            self.ref_policy = DataParallelPPOActor(cfg.ref, self._ref_module())
+
+    def _ref_module(self):
+        """The reference policy's weights: a LoRA actor's own module (run with the adapter off),
+        else a frozen copy of the base model."""
+        if self._is_actor and lora_enabled(self.config.model):
+            return self.actor_module
+        return build_fsdp_module(
+            self.config.model, self.config.ref.fsdp_config, self.device_mesh, trainable=False
+        )
 
     # ------------------------------------------------------------------ rollout
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -194,9 +204,10 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
-        """``ref_log_prob`` (B, T_r) under the frozen reference policy."""
+        """``ref_log_prob`` (B, T_r) under the frozen reference policy (a LoRA actor with its adapter off)."""
         data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
-        log_probs, _ = self.ref_policy.compute_log_prob(data, self.config.ref)
+        with adapter_disabled(self.ref_policy.module):
+            log_probs, _ = self.ref_policy.compute_log_prob(data, self.config.ref)
         return DataProto.from_dict({keys.REF_LOG_PROB: log_probs})
 
     # ------------------------------------------------------------------ training

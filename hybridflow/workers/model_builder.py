@@ -1,7 +1,8 @@
 """Load a Hugging Face model from a local directory and make it an FSDP2-sharded training module.
 
 Used by every FSDP worker (actor, reference, critic, reward model) so they share one loading path:
-``from_pretrained(local_dir)`` → optional gradient checkpointing → ``fully_shard`` → optimizer.
+``from_pretrained(local_dir)`` → optional gradient checkpointing → optional LoRA adapter (peft,
+trainable causal LMs only) → ``fully_shard`` → optimizer over the trainable parameters.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from hybridflow.workers.fsdp_utils import (
     enable_gradient_checkpointing,
     to_dtype,
 )
+from hybridflow.workers.lora import apply_lora, lora_enabled
 
 # Which transformers Auto class builds each kind of model.
 AUTO_CLASSES = {
@@ -87,11 +89,14 @@ def load_hf_model(model_cfg, kind: str, dtype: torch.dtype, seed: int = 0) -> nn
 def build_fsdp_module(
     model_cfg, fsdp_cfg, mesh, kind: str = "causal_lm", trainable: bool = True
 ) -> nn.Module:
-    """Load and shard one model; frozen (no grad) unless ``trainable``."""
+    """Load and shard one model; frozen (no grad) unless ``trainable``. A trainable causal LM with
+    ``model_cfg.lora_rank > 0`` trains only its LoRA adapter."""
     dtype = to_dtype(fsdp_cfg.get("model_dtype", "fp32"))
     model = load_hf_model(model_cfg, kind, dtype)
     if trainable and model_cfg.get("enable_gradient_checkpointing", False):
         enable_gradient_checkpointing(model)
+    if trainable and kind == "causal_lm" and lora_enabled(model_cfg):
+        model = apply_lora(model, model_cfg)
     if not trainable:
         model.requires_grad_(False)
     return apply_fsdp2(model, mesh, fsdp_cfg)

@@ -83,3 +83,27 @@ def test_missing_files_and_unregistered_names_are_all_listed(base_overrides, tmp
     assert "missing.parquet' does not exist" in message
     assert "algorithm.adv_estimator='not_an_estimator' is not registered; registered: gae," in message
     assert "loss_mode='nope' is not registered" in message and "vanilla" in message
+
+
+def test_lora_settings_are_validated(base_overrides, tmp_path):
+    validate_config(load_config([*base_overrides, "actor_rollout_ref.model.lora_rank=8"]))
+    with pytest.raises(ConfigError, match="lora_adapter_path"):
+        validate_config(
+            load_config(
+                [
+                    *base_overrides,
+                    "actor_rollout_ref.model.lora_rank=8",
+                    f"actor_rollout_ref.model.lora_adapter_path={tmp_path}",
+                ]
+            )
+        )
+    with pytest.raises(ConfigError, match="lora_alpha"):
+        validate_config(
+            load_config(
+                [
+                    *base_overrides,
+                    "actor_rollout_ref.model.lora_rank=8",
+                    "actor_rollout_ref.model.lora_alpha=0",
+                ]
+            )
+        )

@@ -8,6 +8,7 @@ collected and reported in one :class:`ConfigError` before Ray starts.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -199,6 +200,19 @@ def _check_unsupported(config: DictConfig) -> list[str]:
         path = rollout.multi_turn.get("tool_config_path")
         if path and not os.path.isfile(os.path.expanduser(str(path))):
             problems.append(f"rollout.multi_turn.tool_config_path: {path!r} is not a file")
-    if int(config.actor_rollout_ref.model.lora_rank) > 0:
-        problems.append("model.lora_rank > 0 (LoRA) is not implemented yet")
+    problems += _check_lora(config.actor_rollout_ref.model)
+    return problems
+
+
+def _check_lora(model_cfg: DictConfig) -> list[str]:
+    if int(model_cfg.get("lora_rank", 0) or 0) <= 0:
+        return []
+    problems = []
+    if float(model_cfg.get("lora_alpha", 16)) <= 0:
+        problems.append(f"model.lora_alpha must be > 0, got {model_cfg.lora_alpha}")
+    adapter = model_cfg.get("lora_adapter_path")
+    if adapter and not os.path.isfile(os.path.join(os.path.expanduser(str(adapter)), "adapter_config.json")):
+        problems.append(f"model.lora_adapter_path: no adapter_config.json in {adapter!r}")
+    if importlib.util.find_spec("peft") is None:
+        problems.append("model.lora_rank > 0 needs peft: pip install -e '.[models]'")
     return problems

@@ -10,6 +10,11 @@ One checkpoint directory ``local_path`` (in the trainer: ``default_local_dir/glo
       huggingface/               rank 0: config.json, generation_config.json, tokenizer/processor files
       checkpoint_meta.json       rank 0, written last: global_step, world_size, model_class, dtype, contents
 
+With ``trainable_only`` (a LoRA actor) ``model/`` holds only the parameters that train (the adapter,
+under peft's names), ``huggingface/lora_adapter/adapter_config.json`` records the adapter and the base
+model's path, and the meta says ``"trainable_only": true``; the frozen base weights stay where they were
+loaded from.
+
 Model and optimizer get separate DCP directories so the merger (``hybridflow.model_merger``) reads weights
 without touching optimizer shards, and a model-only checkpoint has the same layout minus ``optim/``.
 
@@ -42,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -106,10 +112,16 @@ def read_checkpoint_meta(local_path: str | os.PathLike) -> dict[str, Any]:
         return json.load(f)
 
 
+ADAPTER_DIR = "lora_adapter"
+
+
 def unwrapped_model_class(model: torch.nn.Module) -> type:
-    """The model's own class: ``fully_shard`` swaps in a subclass named ``FSDP<Class>``."""
+    """The model's own class: ``fully_shard`` swaps in a subclass named ``FSDP<Class>``; an adapter
+    wrapper with ``get_base_model()`` (peft) counts as the model it wraps."""
     from torch.distributed.fsdp import FSDPModule
 
+    if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):
+        model = model.get_base_model()
     return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
 
 
@@ -134,6 +146,7 @@ class FSDPCheckpointManager:
         lr_scheduler: its ``state_dict()`` goes into the per-rank extra state.
         processing_class: tokenizer or processor, saved under ``huggingface/`` on rank 0.
         checkpoint_contents: subset of ``("model", "optimizer", "extra")`` to save and to load.
+        trainable_only: save and load only parameters with ``requires_grad`` (a LoRA adapter).
     """
 
     def __init__(
@@ -143,6 +156,7 @@ class FSDPCheckpointManager:
         lr_scheduler: Any | None = None,
         processing_class: Any | None = None,
         checkpoint_contents: tuple[str, ...] | list[str] = CHECKPOINT_CONTENTS,
+        trainable_only: bool = False,
     ):
         unknown = set(checkpoint_contents) - set(CHECKPOINT_CONTENTS)
         if unknown:
@@ -152,8 +166,17 @@ class FSDPCheckpointManager:
         self.lr_scheduler = lr_scheduler
         self.processing_class = processing_class
         self.checkpoint_contents = tuple(checkpoint_contents)
+        self.trainable_only = trainable_only
         # (global_step, local_path) of the checkpoints this manager wrote, for max_ckpt_to_keep.
         self.saved_checkpoints: list[tuple[int, str]] = []
+
+    def _model_state(self) -> dict[str, Any]:
+        """The model state dict DCP saves and loads (only the trainable entries with ``trainable_only``)."""
+        state = get_model_state_dict(self.model)
+        if not self.trainable_only:
+            return state
+        trainable = {name for name, param in self.model.named_parameters() if param.requires_grad}
+        return {key: value for key, value in state.items() if key in trainable}
 
     @property
     def _with_optimizer(self) -> bool:
@@ -171,7 +194,7 @@ class FSDPCheckpointManager:
         _barrier()
 
         if "model" in self.checkpoint_contents:
-            dcp.save(get_model_state_dict(self.model), checkpoint_id=os.path.join(tmp_path, MODEL_DIR))
+            dcp.save(self._model_state(), checkpoint_id=os.path.join(tmp_path, MODEL_DIR))
         if self._with_optimizer:
             optim_sd = get_optimizer_state_dict(self.model, self.optimizer)
             dcp.save(optim_sd, checkpoint_id=os.path.join(tmp_path, OPTIM_DIR))
@@ -206,6 +229,8 @@ class FSDPCheckpointManager:
             generation_config.save_pretrained(hf_dir)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(hf_dir)
+        for name, adapter_config in (getattr(self.model, "peft_config", None) or {}).items():
+            adapter_config.save_pretrained(os.path.join(hf_dir, ADAPTER_DIR if name == "default" else name))
 
     def _write_meta(self, path: str, global_step: int) -> None:
         contents = [c for c in self.checkpoint_contents if c != "optimizer" or self._with_optimizer]
@@ -216,6 +241,7 @@ class FSDPCheckpointManager:
             "model_class": unwrapped_model_class(self.model).__name__,
             "dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,
             "contents": contents,
+            "trainable_only": self.trainable_only,
         }
         with open(os.path.join(path, META_FILE), "w") as f:
             json.dump(meta, f, indent=2)
@@ -260,10 +286,18 @@ class FSDPCheckpointManager:
                 "pass checkpoint_contents without them to load the rest"
             )
 
+        if meta.get("trainable_only", False) != self.trainable_only:
+            raise ValueError(
+                f"Checkpoint {local_path} has trainable_only={meta.get('trainable_only', False)} "
+                f"(adapter-only: a LoRA run) but this model has trainable_only={self.trainable_only}; "
+                "resume with the same actor_rollout_ref.model.lora_rank setting"
+            )
         if "model" in wanted:
-            model_sd = get_model_state_dict(self.model)
+            model_sd = self._model_state()
             dcp.load(model_sd, checkpoint_id=os.path.join(local_path, MODEL_DIR))
-            set_model_state_dict(self.model, model_sd)
+            set_model_state_dict(
+                self.model, model_sd, options=StateDictOptions(strict=not self.trainable_only)
+            )
         if "optimizer" in wanted:
             optim_sd = get_optimizer_state_dict(self.model, self.optimizer)
             dcp.load(optim_sd, checkpoint_id=os.path.join(local_path, OPTIM_DIR))

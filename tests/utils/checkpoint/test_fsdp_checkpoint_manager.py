@@ -65,6 +65,7 @@ def test_exact_resume_world1(world1, tmp_path):
         "model_class": "Qwen2ForCausalLM",
         "dtype": "float32",
         "contents": ["model", "optimizer", "extra"],
+        "trainable_only": False,
     }
 
 

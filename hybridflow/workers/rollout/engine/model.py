@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridflow.workers.lora import hf_parameter_names, merged_hf_weights, unwrap_peft
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -180,18 +182,20 @@ class EngineModel:
     def empty_like_hf_module(
         cls, module: nn.Module, max_positions: int, dtype: torch.dtype | None = None, device=None
     ) -> EngineModel:
-        """Allocate an engine for ``module``'s architecture (weights uninitialised)."""
-        spec = ModelSpec.from_hf(module.config, [name for name, _ in module.named_parameters()])
-        cos, sin = rope_table(module, max_positions)
+        """Allocate an engine for ``module``'s architecture (weights uninitialised); a peft-wrapped
+        module counts as its base model."""
+        spec = ModelSpec.from_hf(unwrap_peft(module).config, hf_parameter_names(module))
+        cos, sin = rope_table(unwrap_peft(module), max_positions)
         device = device or _module_device(module)
         return cls(spec, cos, sin, dtype or torch.float32, device)
 
     @classmethod
     def from_hf_module(cls, module: nn.Module, max_positions: int, dtype=None, device=None) -> EngineModel:
-        """An engine holding a copy of ``module``'s (unsharded) weights."""
+        """An engine holding a copy of ``module``'s (unsharded, LoRA-merged) weights."""
         engine = cls.empty_like_hf_module(module, max_positions, dtype, device)
-        for name, tensor in module.named_parameters():
-            engine.load_weight(name, tensor.detach())
+        named = [(name, tensor.detach()) for name, tensor in module.named_parameters()]
+        for name, tensor in merged_hf_weights(module, named):
+            engine.load_weight(name, tensor)
         return engine
 
     def _build_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:

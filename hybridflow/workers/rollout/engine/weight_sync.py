@@ -3,7 +3,8 @@
 Parameters move one FSDP unit at a time (a decoder layer, then the root's embedding/norm/head): the
 unit is unsharded (one all-gather, a collective every rank joins in the same order), each of its
 parameters is copied into the engine's own tensor, and the unit is resharded, which frees the
-gathered memory before the next unit is gathered. A second full copy of the model never exists;
+gathered memory before the next unit is gathered. A LoRA actor (peft) hands over its base weights
+with the adapter merged in, under the plain HF names. A second full copy of the model never exists;
 :class:`SyncStats` reports the time and the peak extra memory, measured from the storage the
 gathered tensors actually hold.
 """
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+
+from hybridflow.workers.lora import merged_hf_weights
 
 
 @dataclass
@@ -61,7 +64,7 @@ def iter_parameter_buckets(module: nn.Module) -> Iterator[tuple[list[tuple[str, 
 
 
 def sync_weights(engine_model, module: nn.Module) -> SyncStats:
-    """Copy every parameter of ``module`` into ``engine_model`` (see the module docstring)."""
+    """Copy every (LoRA-merged) parameter of ``module`` into ``engine_model`` (see the module docstring)."""
     start = time.perf_counter()
     earlier: list[torch.Tensor] = []  # gathered tensors of finished buckets: their storage must be freed
     peak = copied = count = 0
@@ -70,7 +73,7 @@ def sync_weights(engine_model, module: nn.Module) -> SyncStats:
             tensors = [tensor for _, tensor in bucket]
             if gathered:
                 peak = max(peak, storage_bytes(tensors) + storage_bytes(earlier))
-            for name, tensor in bucket:
+            for name, tensor in merged_hf_weights(module, bucket):
                 engine_model.load_weight(name, tensor)
                 copied += tensor.numel() * tensor.element_size()
                 count += 1
