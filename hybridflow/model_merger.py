@@ -139,10 +139,11 @@ def _lora_model(local_dir: Path, hf_src: Path, base_model_path: str | Path | Non
     peft_model = get_peft_model(model, LoraConfig.from_pretrained(str(adapter_dir)))
     adapter_state = load_dcp_model_state(local_dir / MODEL_DIR)
     expected = {name for name, p in peft_model.named_parameters() if p.requires_grad}
-    if set(adapter_state) != expected:
+    missing, unexpected = sorted(expected - set(adapter_state)), sorted(set(adapter_state) - expected)
+    if missing or unexpected:
         raise ValueError(
-            f"LoRA checkpoint {local_dir} does not match its adapter config: missing "
-            f"{sorted(expected - set(adapter_state))[:5]}, unexpected {sorted(set(adapter_state) - expected)[:5]}"
+            f"LoRA checkpoint {local_dir} does not match its adapter config: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     peft_model.load_state_dict(adapter_state, strict=False)
     return peft_model.eval()

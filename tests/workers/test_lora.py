@@ -81,8 +81,8 @@ def _hf_greedy(model, prompts: DataProto) -> torch.Tensor:
 def _base_log_probs(model_dir: str, batch: DataProto) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    from hybridflow.workers.actor.dp_actor import forward_response_logits
     from hybridflow.utils.torch_functional import logprobs_from_logits
+    from hybridflow.workers.actor.dp_actor import forward_response_logits
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     with torch.no_grad():
