@@ -124,8 +124,8 @@ def validate_generation_config(config: DictConfig) -> None:
         )
     if data.truncation not in TRUNCATIONS:
         problems.append(f"data.truncation={data.truncation!r}; choose one of {list(TRUNCATIONS)}")
-    if rollout.dtype not in DTYPES:
-        problems.append(f"rollout.dtype={rollout.dtype!r}; choose one of {sorted(DTYPES)}")
+    if rollout.dtype not in DTYPES and rollout.dtype != "auto":
+        problems.append(f"rollout.dtype={rollout.dtype!r}; choose one of {sorted(DTYPES) + ['auto']}")
     if rollout.name not in ENGINE_NAMES:
         problems.append(
             f"rollout.name={rollout.name!r}; generation runs on the embedded engine {ENGINE_NAMES}"
@@ -195,9 +195,9 @@ def build_engine(config: DictConfig):
     """The embedded engine holding a copy of ``model.path``'s weights (the HF module is dropped)."""
     from hybridflow.workers.model_builder import load_hf_model
     from hybridflow.workers.rollout.engine import EngineModel
-    from hybridflow.workers.rollout.engine_rollout import DTYPES, build_llm_engine, engine_max_len
+    from hybridflow.workers.rollout.engine_rollout import build_llm_engine, engine_dtype, engine_max_len
 
-    dtype = DTYPES[str(config.rollout.dtype)]
+    dtype = engine_dtype(str(config.rollout.dtype))
     module = load_hf_model(config.model, "causal_lm", dtype).to(str(config.trainer.device)).eval()
     model = EngineModel.from_hf_module(module, engine_max_len(config.rollout), dtype=dtype)
     del module

@@ -81,7 +81,11 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def mixed_precision_policy(cfg) -> MixedPrecisionPolicy | None:
-    """``fsdp_config.mixed_precision`` ({param_dtype, reduce_dtype, ...}) → FSDP2 policy, or None."""
+    """``fsdp_config.mixed_precision`` ({param_dtype, reduce_dtype, ...}) → FSDP2 policy, or None.
+    ``auto`` means bf16 params with fp32 reduction where bf16 is fast (:func:`cpu_has_fast_bf16`),
+    else None (fp32)."""
+    if cfg == "auto":
+        cfg = {"param_dtype": "bf16", "reduce_dtype": "fp32"} if cpu_has_fast_bf16() else None
     if not cfg:
         return None
     return MixedPrecisionPolicy(

@@ -188,3 +188,17 @@ def test_bf16_master_weights_load_and_train(tiny_model_dir, mesh):
     # spacing is 2^-8 below and 2^-7 above: the update rounds away. The fp32 master weights keep it.
     norms = {n for n, _ in module.named_parameters() if n.endswith("norm.weight")}
     assert norms and _unchanged_by_one_adamw_step(module) == norms
+
+
+def test_auto_precision_follows_the_cpu(monkeypatch):
+    from hybridflow.workers import fsdp_utils
+    from hybridflow.workers.rollout import engine_rollout
+
+    for fast in (True, False):
+        monkeypatch.setattr(fsdp_utils, "cpu_has_fast_bf16", lambda fast=fast: fast)
+        monkeypatch.setattr(engine_rollout, "cpu_has_fast_bf16", lambda fast=fast: fast)
+        policy = fsdp_utils.mixed_precision_policy("auto")
+        assert (policy is not None and policy.param_dtype == torch.bfloat16) == fast
+        assert engine_rollout.engine_dtype("auto") == (torch.bfloat16 if fast else torch.float32)
+    with pytest.raises(ValueError, match="rollout.dtype"):
+        engine_rollout.engine_dtype("fp8")

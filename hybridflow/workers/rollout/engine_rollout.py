@@ -20,6 +20,7 @@ from torch import nn
 
 from hybridflow import keys
 from hybridflow.protocol import DataProto
+from hybridflow.workers.fsdp_utils import cpu_has_fast_bf16
 from hybridflow.workers.rollout.base import (
     BaseRollout,
     assemble_output,
@@ -58,6 +59,15 @@ def available_ram_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def engine_dtype(name: str) -> torch.dtype:
+    """``rollout.dtype``: fp32 | bf16 | auto (bf16 where it is fast: :func:`cpu_has_fast_bf16`)."""
+    if name == "auto":
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"rollout.dtype={name!r}; use one of {sorted(DTYPES) + ['auto']}")
+    return DTYPES[name]
 
 
 def engine_max_len(config) -> int:
@@ -124,7 +134,7 @@ class EngineRollout(BaseRollout):
         self._agent_loop = None
         if config.get("name") in ("vllm", "sglang") and rank == 0:
             logger.warning("rollout.name=%s: using hybridflow's embedded engine instead", config.name)
-        dtype = DTYPES[str(config.get("dtype", "fp32"))]
+        dtype = engine_dtype(str(config.get("dtype", "fp32")))
         self.model = EngineModel.empty_like_hf_module(module, engine_max_len(config), dtype=dtype)
         self.last_sync = sync_weights(self.model, module)
         self.engine = build_llm_engine(self.model, config)
