@@ -12,6 +12,7 @@ Each phase is a method taking and returning a DataProto, timed as ``timing_s/<ph
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import numpy as np
@@ -108,9 +109,11 @@ class RayPPOTrainer:
         )
         metrics: dict[str, float] = {}
         data_iter = self._batches()
+        start, first_step = time.monotonic(), self.global_steps
         while self.global_steps < self.total_training_steps:
             self.global_steps += 1
             metrics = self.fit_step(data_iter)
+            self._stop_when_out_of_time(time.monotonic() - start, self.global_steps - first_step, progress)
             if self._is_due(self.config.trainer.test_freq) and self.val_reward_fn is not None:
                 metrics.update(self.validate())
             if self._is_due(self.config.trainer.save_freq):
@@ -278,6 +281,16 @@ class RayPPOTrainer:
         return run_validation(self)
 
     # ------------------------------------------------------------------ helpers
+    def _stop_when_out_of_time(self, elapsed_s: float, steps_done: int, progress) -> None:
+        """``trainer.time_budget_minutes``: make this step the last one (validated and saved as
+        such) when another step of the mean length would not fit in the budget."""
+        budget = self.config.trainer.get("time_budget_minutes")
+        if budget and out_of_time(elapsed_s, steps_done, float(budget) * 60):
+            if self.global_steps < self.total_training_steps:
+                print(f"time budget of {budget} min reached after step {self.global_steps}: stopping")
+                self.total_training_steps = self.global_steps
+                progress.total = self.global_steps
+
     def _batches(self):
         """Training batches across epochs, resuming mid-epoch from the loader's state."""
         while True:
@@ -334,6 +347,11 @@ def _kl_ctrl_kwargs(kl_ctrl) -> dict:
         "target_kl": float(kl_ctrl.target_kl),
         "horizon": int(kl_ctrl.horizon),
     }
+
+
+def out_of_time(elapsed_s: float, steps_done: int, budget_s: float) -> bool:
+    """Whether one more step, as long as the mean step so far, would end past ``budget_s``."""
+    return steps_done > 0 and elapsed_s + elapsed_s / steps_done > budget_s
 
 
 def total_training_steps(config: DictConfig, batches_per_epoch: int) -> int:
