@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev,tracking,math,models]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,tracking,math,models,recipes]"
 	touch $(STAMP)
 
 demo: $(STAMP)
