@@ -8,8 +8,8 @@ the adapter differently:
   (:func:`adapter_disabled`), so no second copy of the base weights exists;
 - the **rollout engine** receives merged weights ``W + scaling * B @ A`` under the plain HF names
   (:func:`merged_hf_weights`), computed per FSDP unit during the weight sync;
-- **checkpoints** hold only the trainable (adapter) tensors; :func:`adapter_state` turns them into
-  peft's on-disk names for ``adapter_model.safetensors``.
+- **checkpoints** hold only the trainable (adapter) tensors (``FSDPCheckpointManager(trainable_only=True)``);
+  the model merger re-attaches them to the base model for export.
 
 Parameter names under peft look like
 ``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` and
@@ -147,19 +147,3 @@ def merged_hf_weights(
                 tensor = (tensor.float() + delta).to(tensor.dtype)
         merged.append((hf_name, tensor))
     return merged
-
-
-def trainable_parameter_names(module: nn.Module) -> set[str]:
-    return {name for name, param in module.named_parameters() if param.requires_grad}
-
-
-def adapter_state(
-    full_state: dict[str, torch.Tensor], adapter_name: str = "default"
-) -> dict[str, torch.Tensor]:
-    """Trainable-tensor state (peft parameter names) → peft's file keys: the adapter name is dropped
-    (``...q_proj.lora_A.default.weight`` → ``...q_proj.lora_A.weight``), as ``save_pretrained`` does."""
-    suffix = f".{adapter_name}.weight"
-    return {
-        (key.removesuffix(suffix) + ".weight" if key.endswith(suffix) else key): tensor
-        for key, tensor in full_state.items()
-    }

@@ -17,8 +17,9 @@ from hybridflow.workers.fsdp_workers import ActorRolloutRefWorker
 from hybridflow.workers.lora import hf_parameter_name
 from hybridflow.workers.rollout.engine_rollout import EngineRollout
 from tests.utils.checkpoint.fsdp_toy import gloo_group
+from tests.workers.engine_prompts import hf_greedy
+from tests.workers.engine_prompts import tiny_prompts as _prompts
 
-PAD, EOS = 3, 2
 RESPONSE_LENGTH = 6
 
 
@@ -42,18 +43,6 @@ def _worker_config(model_dir: str, **overrides):
     return config.actor_rollout_ref
 
 
-def _prompts() -> DataProto:
-    rows = [[1, 9, 14, 22, 5], [1, 30, 7], [1, 11, 12, 13, 40, 41, 42]]
-    width = max(map(len, rows))
-    ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows])
-    mask = (ids != PAD).long()
-    data = DataProto.from_dict(
-        {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
-    )
-    data.meta_info = {"eos_token_id": [EOS], "pad_token_id": PAD, "do_sample": False, "global_steps": 1}
-    return data
-
-
 def _training_batch(worker: ActorRolloutRefWorker) -> DataProto:
     """Greedy rollouts with old/ref log-probs and advantages that push every token."""
     batch = worker.generate_sequences(_prompts())
@@ -66,16 +55,7 @@ def _training_batch(worker: ActorRolloutRefWorker) -> DataProto:
 
 
 def _hf_greedy(model, prompts: DataProto) -> torch.Tensor:
-    out = model.generate(
-        input_ids=prompts.batch["input_ids"],
-        attention_mask=prompts.batch["attention_mask"],
-        do_sample=False,
-        max_new_tokens=RESPONSE_LENGTH,
-        eos_token_id=EOS,
-        pad_token_id=PAD,
-    )
-    generated = out[:, prompts.batch["input_ids"].shape[1] :]
-    return torch.nn.functional.pad(generated, (0, RESPONSE_LENGTH - generated.shape[1]), value=PAD)
+    return hf_greedy(model, prompts, RESPONSE_LENGTH)
 
 
 def _base_log_probs(model_dir: str, batch: DataProto) -> torch.Tensor:
