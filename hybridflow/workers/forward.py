@@ -1,26 +1,72 @@
 """The one model forward the actor, reference and critic share.
 
-A response token at index t is predicted by the model output at the position before it, so the
-outputs for the response are ``output.logits[:, -T_r - 1 : -1]``.
+A row is ``[prompt (T_p, left-padded) | response (T_r, right-padded)]``. A response token at index t is
+predicted by the model output at the position before it, so the outputs for the response are the
+``T_r`` positions that end one before the last column.
+
+Padding is trimmed per micro-batch before the forward: the leading columns that no row attends to
+(prompt padding) and the trailing ones (response padding) are cut, so a micro-batch of short answers
+does not pay for ``max_prompt_length + max_response_length``. This is exact: the cut columns are
+masked out of every attention row (leading) or come after every attended token (trailing, causal),
+and ``position_ids`` travel with their columns. verl reaches the same end with ``use_remove_padding``
+(packed sequences and flash-attention varlen); trimming needs no special kernel, so it is always on.
+Causal LMs that take ``logits_to_keep`` (Hugging Face Llama, Qwen2, ...) also skip the vocabulary
+projection of the prompt positions.
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 import torch
 from torch import nn
 
 from hybridflow import keys
 from hybridflow.protocol import DataProto
+from hybridflow.workers.lora import unwrap_peft
+
+
+def attended_span(attention_mask: torch.Tensor, prompt_len: int) -> tuple[int, int]:
+    """``(first, end)``: the column range ``[first, end)`` of ``attention_mask`` (b, T) that holds every
+    attended token, with ``first <= prompt_len - 1`` and ``end >= prompt_len + 1`` so that at least one
+    prompt position and one response column stay (a batch of empty responses keeps its shapes)."""
+    attended = torch.nonzero(attention_mask.any(dim=0)).flatten()
+    if attended.numel() == 0:
+        return prompt_len - 1, prompt_len + 1
+    first = min(int(attended[0]), prompt_len - 1)
+    end = max(int(attended[-1]) + 1, prompt_len + 1)
+    return first, end
+
+
+@functools.cache
+def _takes_logits_to_keep(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
 def response_outputs(model: nn.Module, micro: DataProto) -> torch.Tensor:
-    """Model outputs at the positions that predict each response token: ``(b, T_r, C)`` in fp32
-    (C = vocabulary for a causal LM, 1 for a value head)."""
-    response_len = micro.batch[keys.RESPONSES].shape[1]
+    """Model outputs at the positions that predict the kept response tokens: ``(b, T_k, C)`` in fp32,
+    ``T_k <= T_r`` (the response columns before the trimmed trailing padding; C = vocabulary for a
+    causal LM, 1 for a value head). Response column t of the batch is column t of the output."""
+    prompt_len = micro.batch[keys.INPUT_IDS].shape[1] - micro.batch[keys.RESPONSES].shape[1]
+    first, end = attended_span(micro.batch[keys.ATTENTION_MASK], prompt_len)
+    kept_response_len = end - prompt_len
+    extra = {}
+    if _takes_logits_to_keep(type(unwrap_peft(model))):
+        extra["logits_to_keep"] = kept_response_len + 1
     output = model(
-        input_ids=micro.batch[keys.INPUT_IDS],
-        attention_mask=micro.batch[keys.ATTENTION_MASK],
-        position_ids=micro.batch[keys.POSITION_IDS],
+        input_ids=micro.batch[keys.INPUT_IDS][:, first:end],
+        attention_mask=micro.batch[keys.ATTENTION_MASK][:, first:end],
+        position_ids=micro.batch[keys.POSITION_IDS][:, first:end],
         use_cache=False,
+        **extra,
     )
-    return output.logits[:, -response_len - 1 : -1, :].float()
+    return output.logits[:, -kept_response_len - 1 : -1, :].float()
+
+
+def pad_responses(values: torch.Tensor, response_len: int, value: float = 0.0) -> torch.Tensor:
+    """Widen per-token ``values`` (b, T_k) to (b, T_r) with ``value`` in the trimmed padding columns."""
+    missing = response_len - values.shape[1]
+    if missing == 0:
+        return values
+    return torch.nn.functional.pad(values, (0, missing), value=value)

@@ -61,13 +61,11 @@ def _hf_greedy(model, prompts: DataProto) -> torch.Tensor:
 def _base_log_probs(model_dir: str, batch: DataProto) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    from hybridflow.utils.torch_functional import logprobs_from_logits
-    from hybridflow.workers.actor.dp_actor import forward_response_logits
+    from hybridflow.workers.actor.dp_actor import response_log_probs
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     with torch.no_grad():
-        logits = forward_response_logits(model, batch, 1.0)
-    return logprobs_from_logits(logits, batch.batch[keys.RESPONSES])
+        return response_log_probs(model, batch, 1.0)[0]
 
 
 @pytest.fixture(scope="module")

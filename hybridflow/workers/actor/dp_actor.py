@@ -26,7 +26,7 @@ from hybridflow.algorithms import (
 )
 from hybridflow.protocol import DataProto
 from hybridflow.utils.torch_functional import entropy_from_logits, logprobs_from_logits
-from hybridflow.workers.forward import response_outputs
+from hybridflow.workers.forward import pad_responses, response_outputs
 from hybridflow.workers.fsdp_utils import grad_norm_and_clip
 from hybridflow.workers.micro_batch import restore_order, split_micro_batches
 
@@ -42,9 +42,22 @@ _POLICY_LOSS_KEYS = (
 
 
 def forward_response_logits(model: nn.Module, micro: DataProto, temperature: float) -> torch.Tensor:
-    """Logits predicting each response token: (b, T_r, V), divided by the sampling temperature."""
+    """Logits predicting each kept response token: (b, T_k, V) with T_k <= T_r (trailing padding
+    trimmed, see :mod:`hybridflow.workers.forward`), divided by the sampling temperature."""
     logits = response_outputs(model, micro)
     return logits / temperature if temperature not in (0, 1.0) else logits
+
+
+def response_log_probs(
+    model: nn.Module, micro: DataProto, temperature: float, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(log_probs (b, T_r), entropy (b, T_r) | None)`` of ``micro[responses]``; 0 in the trimmed
+    trailing padding columns (outside ``response_mask``)."""
+    logits = forward_response_logits(model, micro, temperature)
+    responses = micro.batch[keys.RESPONSES]
+    log_probs = logprobs_from_logits(logits, responses[:, : logits.shape[1]])
+    entropy = pad_responses(entropy_from_logits(logits), responses.shape[1]) if with_entropy else None
+    return pad_responses(log_probs, responses.shape[1]), entropy
 
 
 def policy_loss_config(actor_cfg) -> PolicyLossConfig:
@@ -74,10 +87,7 @@ class DataParallelPPOActor:
 
     # ------------------------------------------------------------------ log-probs
     def _forward(self, micro: DataProto, temperature: float, with_entropy: bool):
-        logits = forward_response_logits(self.module, micro, temperature)
-        log_probs = logprobs_from_logits(logits, micro.batch[keys.RESPONSES])
-        entropy = entropy_from_logits(logits) if with_entropy else None
-        return log_probs, entropy
+        return response_log_probs(self.module, micro, temperature, with_entropy)
 
     @torch.no_grad()
     def compute_log_prob(self, data: DataProto, batching, calculate_entropy: bool = False):

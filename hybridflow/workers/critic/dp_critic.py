@@ -12,14 +12,15 @@ from torch import nn
 from hybridflow import keys
 from hybridflow.algorithms import compute_value_loss
 from hybridflow.protocol import DataProto
-from hybridflow.workers.forward import response_outputs
+from hybridflow.workers.forward import pad_responses, response_outputs
 from hybridflow.workers.fsdp_utils import grad_norm_and_clip
 from hybridflow.workers.micro_batch import restore_order, split_micro_batches
 
 
 def forward_values(model: nn.Module, micro: DataProto) -> torch.Tensor:
     """Values of the response positions: (b, T_r), zero outside ``response_mask``."""
-    return response_outputs(model, micro)[..., 0] * micro.batch[keys.RESPONSE_MASK]
+    values = pad_responses(response_outputs(model, micro)[..., 0], micro.batch[keys.RESPONSES].shape[1])
+    return values * micro.batch[keys.RESPONSE_MASK]
 
 
 class DataParallelPPOCritic:

@@ -77,14 +77,12 @@ def test_weight_sync_in_place_changes_generation_without_a_second_copy(sharded_a
 
 
 def test_rollout_log_probs_match_the_actor_forward(sharded_actor):
-    from hybridflow.workers.forward import response_outputs
+    from hybridflow.workers.actor.dp_actor import response_log_probs
 
     rollout = EngineRollout(sharded_actor, _rollout_config(**{"actor_rollout_ref.rollout.temperature": 0.7}))
     output = rollout.generate_sequences(tiny_prompts(n=4, do_sample=True))
-    logits = response_outputs(sharded_actor, output) / 0.7
-    recomputed = (
-        torch.log_softmax(logits, -1).gather(2, output.batch[keys.RESPONSES].unsqueeze(-1)).squeeze(-1)
-    )
+    with torch.no_grad():
+        recomputed, _ = response_log_probs(sharded_actor, output, 0.7)
     mask = output.batch[keys.RESPONSE_MASK].bool()
     diff = (output.batch[keys.ROLLOUT_LOG_PROBS] - recomputed).abs()[mask]
     assert diff.max().item() <= 1e-5
