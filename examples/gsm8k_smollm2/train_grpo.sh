@@ -31,7 +31,7 @@ export OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 cd "$REPO"
 if [[ "$TASK" == rg ]]; then
     TRAIN="$DATA_DIR/$RG_PRESET/train.parquet" VAL="$DATA_DIR/$RG_PRESET/test200.parquet"
-    PROMPT=64 RESPONSE=64  # prompts are ~47 tokens with SmolLM2's system line; rows are padded to PROMPT
+    PROMPT=64 RESPONSE=64  # prompts are ~47 tokens with SmolLM2's system line; PROMPT is a cap, not a pad width
 else
     TRAIN="$DATA_DIR/gsm8k/train.parquet" VAL="$DATA_DIR/gsm8k/test200.parquet" PROMPT=256 RESPONSE=256
 fi
