@@ -83,7 +83,7 @@ def run_generation(config: DictConfig) -> str:
 
 def validate_generation_config(config: DictConfig) -> None:
     """Raise :class:`ConfigError` listing every problem of a composed generation config."""
-    from hybridflow.trainer.config import CONFIG_DIR, ConfigError, unknown_keys
+    from hybridflow.trainer.config import CONFIG_DIR, ConfigError, device_problems, unknown_keys
     from hybridflow.utils.dataset.rl_dataset import TRUNCATIONS
     from hybridflow.workers.rollout.engine_rollout import DTYPES
 
@@ -130,24 +130,13 @@ def validate_generation_config(config: DictConfig) -> None:
         problems.append(
             f"rollout.name={rollout.name!r}; generation runs on the embedded engine {ENGINE_NAMES}"
         )
-    problems += _device_problems(str(trainer.device))
+    problems += device_problems(str(trainer.device))
     if problems:
         raise ConfigError("invalid generation config:\n  - " + "\n  - ".join(problems))
 
 
 def _positive(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _device_problems(device: str) -> list[str]:
-    if device not in ("cpu", "cuda"):
-        return [f"trainer.device must be cpu or cuda, not {device!r}"]
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            return ["trainer.device=cuda but no CUDA device is visible (use trainer.device=cpu)"]
-    return []
 
 
 def _read_table(path: str, prompt_key: str):

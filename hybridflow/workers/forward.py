@@ -64,9 +64,7 @@ def response_outputs(model: nn.Module, micro: DataProto) -> torch.Tensor:
     return output.logits[:, -kept_response_len - 1 : -1, :].float()
 
 
-def pad_responses(values: torch.Tensor, response_len: int, value: float = 0.0) -> torch.Tensor:
-    """Widen per-token ``values`` (b, T_k) to (b, T_r) with ``value`` in the trimmed padding columns."""
+def pad_responses(values: torch.Tensor, response_len: int) -> torch.Tensor:
+    """Widen per-token ``values`` (b, T_k) to (b, T_r) with zeros in the trimmed padding columns."""
     missing = response_len - values.shape[1]
-    if missing == 0:
-        return values
-    return torch.nn.functional.pad(values, (0, missing), value=value)
+    return torch.nn.functional.pad(values, (0, missing)) if missing else values

@@ -23,6 +23,11 @@ def test_valid_config_passes(base_overrides):
     validate_config(load_config(base_overrides))
 
 
+def test_unknown_device_is_an_error(base_overrides):
+    with pytest.raises(ConfigError, match="trainer.device must be cpu or cuda, not 'tpu'"):
+        validate_config(load_config([*base_overrides, "trainer.device=tpu"]))
+
+
 def test_unknown_override_key_is_an_error():
     with pytest.raises(ConfigError, match="trainer.no_such_key"):
         load_config(["trainer.no_such_key=1"])

@@ -251,3 +251,9 @@ def test_eval_cli_prints_json(tmp_path):
     assert done.returncode == 0, done.stderr
     metrics = json.loads(done.stdout[done.stdout.index("{") :])
     assert metrics[SOURCE]["pass@2"] == 0.5 and metrics[SOURCE]["mean_reward"] == 0.25
+
+
+def test_generation_rejects_an_unknown_device(tiny_model_dir, six_rows, tmp_path):
+    with pytest.raises(ConfigError, match="trainer.device must be cpu or cuda, not 'tpu'"):
+        run_generation(_gen_config(tiny_model_dir, six_rows, tmp_path / "o.parquet", "trainer.device=tpu"))
+    assert not (tmp_path / "o.parquet").exists()

@@ -120,8 +120,8 @@ def test_trimmed_values_match_the_full_forward(tiny_model_dir):
     assert torch.allclose(values.double(), expected, atol=1e-5)
 
 
-def test_pad_responses_widens_with_the_fill_value():
-    widened = pad_responses(torch.ones(2, 3), 5, value=-1.0)
-    assert widened.tolist() == [[1, 1, 1, -1, -1]] * 2
+def test_pad_responses_widens_with_zeros():
+    widened = pad_responses(torch.ones(2, 3), 5)
+    assert widened.tolist() == [[1, 1, 1, 0, 0]] * 2
     same = torch.ones(2, 5)
     assert pad_responses(same, 5) is same

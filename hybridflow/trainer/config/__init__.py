@@ -174,7 +174,11 @@ def _check_plugin_names(config: DictConfig) -> list[str]:
 
 
 def _check_device(config: DictConfig) -> list[str]:
-    device = config.trainer.device
+    return device_problems(config.trainer.device)
+
+
+def device_problems(device: str) -> list[str]:
+    """Why ``trainer.device`` cannot be used here (empty when it can)."""
     if device not in ("cpu", "cuda"):
         return [f"trainer.device must be cpu or cuda, not {device!r}"]
     if device == "cuda":
