@@ -27,13 +27,29 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from hybridflow.protocol_serde import tensordict_from_state, tensordict_to_state
+from hybridflow.protocol_serde import (
+    tensordict_from_parts,
+    tensordict_from_state,
+    tensordict_to_parts,
+    tensordict_to_state,
+)
+from hybridflow.protocol_union import (
+    UnionConflictError,
+    _values_equal,
+    union_numpy_dict,
+    union_tensor_dict,
+)
 
 __all__ = [
     "DataProto",
     "DataProtoItem",
     "DataProtoFuture",
+    "UnionConflictError",
+    "fold_batch_dim",
     "pad_dataproto_to_divisor",
+    "unfold_batch_dim",
+    "union_numpy_dict",
+    "union_tensor_dict",
     "unpad_dataproto",
 ]
 
@@ -49,22 +65,37 @@ def _to_object_array(values: Any) -> np.ndarray:
     return out
 
 
-def _arrays_equal(a: np.ndarray, b: np.ndarray) -> bool:
-    """Element-wise equality that also works for object arrays holding dicts, lists or arrays."""
-    if a.shape != b.shape:
-        return False
-    try:
-        return bool(np.array_equal(a, b))
-    except (ValueError, TypeError):
-        return all(_values_equal(x, y) for x, y in zip(a.tolist(), b.tolist(), strict=True))
+def fold_batch_dim(data: DataProto, new_batch_size: int) -> DataProto:
+    """``(B, ...)`` rows → ``new_batch_size`` rows of ``(B // new_batch_size, ...)`` (verl's helper).
+
+    Tensors ``(B, *s)`` become ``(new_batch_size, B // new_batch_size, *s)`` and non-tensor arrays
+    likewise; ``data`` is left unchanged and the result owns a copy of ``meta_info``."""
+    n = len(data)
+    if new_batch_size <= 0 or n % new_batch_size:
+        raise ValueError(f"fold_batch_dim: a batch of {n} does not fold into {new_batch_size} rows")
+    batch = None
+    if data.batch is not None:
+        batch = data.batch.view(new_batch_size, -1)
+        batch.auto_batch_size_(batch_dims=1)
+    non_tensor = {
+        k: np.reshape(v, (new_batch_size, -1, *v.shape[1:])) for k, v in data.non_tensor_batch.items()
+    }
+    return type(data)(batch=batch, non_tensor_batch=non_tensor, meta_info=copy.deepcopy(data.meta_info))
 
 
-def _values_equal(x: Any, y: Any) -> bool:
-    if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
-        return bool(np.array_equal(x, y))
-    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-        return bool(torch.equal(torch.as_tensor(x), torch.as_tensor(y)))
-    return x == y
+def unfold_batch_dim(data: DataProto, batch_dims: int = 2) -> DataProto:
+    """Inverse of :func:`fold_batch_dim`: merge the first ``batch_dims`` dims into one batch dim."""
+    batch = None
+    if data.batch is not None:
+        batch = data.batch.copy()  # shallow: auto_batch_size_ must not touch the caller's TensorDict
+        batch.auto_batch_size_(batch_dims=batch_dims)
+        batch = batch.view(-1)
+        n = int(batch.batch_size[0])
+    else:
+        first = next(iter(data.non_tensor_batch.values()), np.empty((0,) * batch_dims))
+        n = int(np.prod(first.shape[:batch_dims]))
+    non_tensor = {k: np.reshape(v, (n, *v.shape[batch_dims:])) for k, v in data.non_tensor_batch.items()}
+    return type(data)(batch=batch, non_tensor_batch=non_tensor, meta_info=copy.deepcopy(data.meta_info))
 
 
 def _merge_meta(base: dict, other: dict, where: str) -> dict:
@@ -103,6 +134,9 @@ class DataProto:
     meta_info: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # verl accepts DataProto(non_tensor_batch=None) / meta_info=None: both mean "empty".
+        self.non_tensor_batch = {} if self.non_tensor_batch is None else self.non_tensor_batch
+        self.meta_info = {} if self.meta_info is None else self.meta_info
         self.check_consistency()
 
     # ------------------------------------------------------------------ construction
@@ -255,22 +289,21 @@ class DataProto:
         return self
 
     def union(self, other: DataProto) -> DataProto:
-        """Merge ``other`` into ``self`` in place. Shared keys must hold equal values, else ValueError."""
+        """Merge ``other`` into ``self`` in place (:func:`union_tensor_dict`, :func:`union_numpy_dict`).
+
+        Shared keys must hold equal values, else :class:`UnionConflictError` (a ValueError); every
+        check runs before anything is written, so a failed union leaves ``self`` unchanged."""
         if len(self) and len(other) and len(self) != len(other):
-            raise ValueError(f"union: batch sizes differ ({len(self)} vs {len(other)})")
+            raise UnionConflictError(f"union: batch sizes differ ({len(self)} vs {len(other)})")
+        meta = _merge_meta(self.meta_info, other.meta_info, "union")
+        non_tensor = union_numpy_dict(dict(self.non_tensor_batch), other.non_tensor_batch)
         if other.batch is not None:
             if self.batch is None:
                 self.batch = other.batch.clone(recurse=False)
             else:
-                for key, value in other.batch.items():
-                    if key in self.batch.keys() and not torch.equal(self.batch[key], value):
-                        raise ValueError(f"union: batch key {key!r} differs between the two DataProtos")
-                    self.batch[key] = value
-        for key, value in other.non_tensor_batch.items():
-            if key in self.non_tensor_batch and not _arrays_equal(self.non_tensor_batch[key], value):
-                raise ValueError(f"union: non_tensor_batch key {key!r} differs between the two DataProtos")
-            self.non_tensor_batch[key] = value
-        self.meta_info = _merge_meta(self.meta_info, other.meta_info, "union")
+                union_tensor_dict(self.batch, other.batch)
+        self.non_tensor_batch.update(non_tensor)
+        self.meta_info = meta
         return self
 
     def _require_keys(self, batch_keys, non_tensor_keys, meta_keys, op: str) -> None:
@@ -363,6 +396,20 @@ class DataProto:
             index = np.tile(np.arange(n), repeat_times)
         return self.select_idxs(index)
 
+    def sample_level_repeat(self, repeat_times: Sequence[int] | np.ndarray | torch.Tensor) -> DataProto:
+        """Row ``i`` repeated ``repeat_times[i]`` times, rows kept in order (verl's semantics).
+
+        ``repeat_times`` is a 1-D list/tuple/array/tensor of ``len(self)`` non-negative counts; e.g.
+        rows ``[a, b, c]`` with ``[2, 0, 1]`` give ``[a, a, c]``. The result owns a copy of meta_info."""
+        counts = np.asarray(repeat_times.tolist() if isinstance(repeat_times, torch.Tensor) else repeat_times)
+        if counts.ndim != 1 or len(counts) != len(self):
+            raise ValueError(
+                f"sample_level_repeat: need one count per row ({len(self)}), got shape {counts.shape}"
+            )
+        if counts.size and (not np.issubdtype(counts.dtype, np.integer) or counts.min() < 0):
+            raise ValueError(f"sample_level_repeat: counts must be non-negative integers, got {counts}")
+        return self.select_idxs(np.repeat(np.arange(len(self)), counts.astype(np.int64)))
+
     def padding(self, padding_size: int, padding_candidate: str = "") -> None:
         """Append ``padding_size`` copies of the first (default) or last (``"last"``) row, in place."""
         if padding_size <= 0:
@@ -418,6 +465,31 @@ class DataProto:
         if not isinstance(data, DataProto):
             raise TypeError(f"{filepath} holds a {type(data).__name__}, not a DataProto")
         return data
+
+    # ------------------------------------------------------------------ TensorDict interchange
+    def to_tensordict(self) -> TensorDict:
+        """One TensorDict holding everything, as verl's ``to_tensordict``: tensors as they are,
+        each non-tensor column as a ``NonTensorStack`` of its ``B`` values and each meta_info entry as
+        ``NonTensorData``. Keys must be unique across the three. Values are not copied."""
+        tensors = dict(self.batch.items()) if self.batch is not None else {}
+        columns = {k: v.tolist() for k, v in self.non_tensor_batch.items()}
+        return tensordict_from_parts(tensors, columns, self.meta_info, batch_size=len(self))
+
+    @classmethod
+    def from_tensordict(
+        cls, tensor_dict: TensorDict, meta_info: dict | None = None, num_batch_dims: int = 1
+    ) -> DataProto:
+        """Inverse of :meth:`to_tensordict`: tensors → ``batch``, ``NonTensorStack`` → object arrays in
+        ``non_tensor_batch``, ``NonTensorData`` → ``meta_info`` (merged over a copy of ``meta_info``)."""
+        if num_batch_dims != 1:
+            raise ValueError(f"from_tensordict: only num_batch_dims=1 is supported, got {num_batch_dims}")
+        tensors, columns, meta = tensordict_to_parts(tensor_dict)
+        merged = copy.deepcopy(meta_info or {})
+        merged.update(meta)
+        batch_size = [tensor_dict.batch_size[0]] if len(tensor_dict.batch_size) else None
+        batch = TensorDict(tensors, batch_size=batch_size) if tensors else None
+        non_tensor = {k: _to_object_array(v) for k, v in columns.items()}
+        return cls(batch=batch, non_tensor_batch=non_tensor, meta_info=merged)
 
     # ------------------------------------------------------------------ pickling (Ray transport)
     def __getstate__(self) -> dict:

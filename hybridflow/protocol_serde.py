@@ -60,3 +60,44 @@ def tensordict_from_state(state: dict | None) -> TensorDict | None:
         return None
     tensors = {key: tensor_from_numpy(array, dtype) for key, (array, dtype) in state["tensors"].items()}
     return TensorDict(tensors, batch_size=state["batch_size"])
+
+
+def tensordict_from_parts(
+    tensors: dict[str, torch.Tensor], columns: dict[str, list], meta: dict, batch_size: int
+) -> TensorDict:
+    """verl's single-TensorDict layout: ``tensors`` (B, ...) as they are, every non-tensor column (a
+    list of ``B`` values) as a ``NonTensorStack`` and every ``meta`` entry as ``NonTensorData``."""
+    from tensordict import NonTensorData, NonTensorStack
+
+    clash = (set(tensors) & set(columns)) | ((set(tensors) | set(columns)) & set(meta))
+    if clash:
+        raise ValueError(f"to_tensordict: keys {sorted(clash)} are in more than one of batch/non_tensor/meta")
+    source: dict = dict(tensors)
+    for key, values in columns.items():
+        if any(isinstance(v, torch.Tensor) for v in values):
+            raise TypeError(f"to_tensordict: non-tensor column {key!r} holds torch tensors; use numpy")
+        source[key] = NonTensorStack.from_list([NonTensorData(v) for v in values])
+    for key, value in meta.items():
+        source[key] = NonTensorData(value)
+    return TensorDict(source, batch_size=[batch_size])
+
+
+def tensordict_to_parts(data: TensorDict) -> tuple[dict[str, torch.Tensor], dict[str, list], dict]:
+    """Inverse of :func:`tensordict_from_parts`: ``(tensors, non-tensor columns, meta)``."""
+    from tensordict import NonTensorData, NonTensorStack
+
+    tensors, columns, meta = {}, {}, {}
+    for key in data.keys():
+        value = data.get(key)
+        if isinstance(value, NonTensorStack):
+            columns[key] = value.tolist()
+        elif isinstance(value, NonTensorData):
+            meta[key] = value.data
+        elif isinstance(value, torch.Tensor):
+            tensors[key] = value
+        else:
+            kind = type(value).__name__
+            raise TypeError(
+                f"from_tensordict: key {key!r} holds a {kind}; nested TensorDicts are not supported"
+            )
+    return tensors, columns, meta

@@ -270,3 +270,98 @@ def test_standard_keys_are_declared_with_shapes():
     ):
         assert name in keys.SCHEMA, name
     assert "responses: (B, T_r) int64" in keys.describe("responses")
+
+
+# ------------------------------------------------------------------ verl helper APIs
+def test_empty_constructions_have_length_zero():
+    for data in (DataProto(), DataProto(non_tensor_batch=None), DataProto(meta_info=None)):
+        assert len(data) == 0 and data.non_tensor_batch == {} and data.meta_info == {}
+
+
+def test_sample_level_repeat_per_row_counts():
+    data = make(3, meta={"m": [1]})  # ids 0, 1, 2
+    for counts in ([2, 0, 3], (2, 0, 3), np.array([2, 0, 3]), torch.tensor([2, 0, 3])):
+        out = data.sample_level_repeat(counts)
+        assert out.batch["ids"].tolist() == [0, 0, 2, 2, 2]
+        assert out.non_tensor_batch["uid"].tolist() == ["u0", "u0", "u2", "u2", "u2"]
+        assert out.batch["obs"][2].tolist() == [4.0, 5.0]
+    out.meta_info["m"].append(2)
+    assert data.meta_info == {"m": [1]}  # never aliased
+    with pytest.raises(ValueError, match="one count per row"):
+        data.sample_level_repeat([1, 1])
+    with pytest.raises(ValueError, match="non-negative"):
+        data.sample_level_repeat([1, -1, 1])
+
+
+def test_to_and_from_tensordict_round_trip():
+    from tensordict import NonTensorData, NonTensorStack
+
+    data = make(3, meta={"temperature": 0.7, "steps": [1, 2]})
+    td = data.to_tensordict()
+    assert td.batch_size == torch.Size([3])
+    assert torch.equal(td["obs"], data.batch["obs"])
+    assert isinstance(td.get("uid"), NonTensorStack) and td.get("uid").tolist() == ["u0", "u1", "u2"]
+    assert isinstance(td.get("temperature"), NonTensorData) and td["temperature"] == 0.7
+
+    back = DataProto.from_tensordict(td, meta_info={"extra": 1})
+    assert torch.equal(back.batch["ids"], torch.arange(3))
+    assert back.non_tensor_batch["uid"].dtype == object
+    assert back.non_tensor_batch["info"].tolist() == [{"k": 0}, {"k": 1}, {"k": 2}]
+    assert back.meta_info == {"extra": 1, "temperature": 0.7, "steps": [1, 2]}
+
+    with pytest.raises(ValueError, match=r"\['uid'\]"):
+        DataProto.from_dict({"x": torch.zeros(3)}, {"uid": [1, 2, 3]}, {"uid": 0}).to_tensordict()
+
+
+def test_union_helpers_follow_verl_checks():
+    from tensordict import TensorDict
+
+    from hybridflow.protocol import UnionConflictError, union_numpy_dict, union_tensor_dict
+
+    a = TensorDict({"x": torch.ones(2)}, batch_size=[2])
+    out = union_tensor_dict(a, TensorDict({"x": torch.ones(2), "y": torch.zeros(2)}, batch_size=[2]))
+    assert out is a and set(a.keys()) == {"x", "y"}
+    with pytest.raises(UnionConflictError, match="batch key 'x' differs"):
+        union_tensor_dict(a, TensorDict({"x": torch.zeros(2), "z": torch.zeros(2)}, batch_size=[2]))
+    assert "z" not in a.keys()  # nothing written on a conflict
+    with pytest.raises(AssertionError, match="batch sizes differ"):  # verl code catches AssertionError
+        union_tensor_dict(a, TensorDict({"x": torch.ones(3)}, batch_size=[3]))
+
+    nan = np.array([1.0, np.nan])
+    left = {"v": nan, "o": np.array([{"a": [1, np.nan]}], dtype=object)}
+    merged = union_numpy_dict(left, {"v": nan.copy(), "o": np.array([{"a": [1, np.nan]}], dtype=object)})
+    assert merged is left  # NaN == NaN, object arrays compared element by element
+    with pytest.raises(ValueError, match="key 'v' differs"):  # same values, different dtype: verl refuses
+        union_numpy_dict(left, {"v": nan.astype(np.float32)})
+    with pytest.raises(ValueError, match="key 'o' differs"):
+        union_numpy_dict(left, {"o": np.array([{"a": [2, np.nan]}], dtype=object)})
+
+
+def test_union_failure_leaves_dataproto_unchanged():
+    left = make(2)
+    bad = DataProto.from_dict({"new": torch.ones(2)}, {"uid": ["x", "y"]})
+    with pytest.raises(ValueError, match="non_tensor_batch key 'uid'"):
+        left.union(bad)
+    assert "new" not in left.batch.keys()
+
+
+def test_fold_and_unfold_batch_dim():
+    from hybridflow.protocol import fold_batch_dim, unfold_batch_dim
+
+    data = DataProto.from_dict(
+        {"x": torch.arange(12).reshape(6, 2)}, {"uid": list("abcdef")}, meta_info={"m": {"k": 1}}
+    )
+    folded = fold_batch_dim(data, 2)
+    assert len(folded) == 2 and folded.batch["x"].shape == (2, 3, 2)
+    assert folded.batch["x"][1, 0].tolist() == [6, 7]  # row 3 of the original
+    assert folded.non_tensor_batch["uid"].tolist() == [["a", "b", "c"], ["d", "e", "f"]]
+    assert data.non_tensor_batch["uid"].shape == (6,)  # the input is left alone
+    folded.meta_info["m"]["k"] = 2
+    assert data.meta_info["m"]["k"] == 1
+
+    unfolded = unfold_batch_dim(folded, batch_dims=2)
+    assert torch.equal(unfolded.batch["x"], data.batch["x"])
+    assert unfolded.non_tensor_batch["uid"].tolist() == list("abcdef")
+    assert folded.batch.batch_size == torch.Size([2])
+    with pytest.raises(ValueError, match="does not fold"):
+        fold_batch_dim(data, 4)

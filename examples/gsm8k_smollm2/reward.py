@@ -79,7 +79,7 @@ def compute_score(
     if data_source == "openai/gsm8k":
         from hybridflow.utils.reward_score.gsm8k import compute_score as gsm8k_score
 
-        return float(gsm8k_score(data_source, solution_str, ground_truth, extra_info, method=gsm8k_method))
+        return float(gsm8k_score(solution_str, ground_truth, method=gsm8k_method))
     answer = extract_answer(solution_str, strict=strict)
     if answer is None:
         return 0.0

@@ -15,10 +15,13 @@ from hybridflow.utils.reward_score import math as math_score
         ("#### -5", "strict", "-5"),
         ("the answer is 72", "strict", None),
         ("####72", "strict", None),  # verl's strict format needs the space
-        ("I think 12, no 1,000.", "flexible", "1000"),
+        ("I think 12, no 1,000.", "flexible", "1,000."),  # verl's flexible: the last token, verbatim
         ("no digits here", "flexible", None),
         ("x = 3. Then 4 .", "flexible", "4"),
         ("costs 2.50 dollars", "flexible", "2.50"),
+        ("only . here", "flexible", "."),  # verl: with no valid token its loop leaves the first one
+        ("#### 72" + " filler" * 60, "strict", None),  # 420 chars after the answer: outside the last 300
+        ("x" * 1000 + "#### 5", "strict", "5"),
     ],
 )
 def test_gsm8k_extract_solution(text, method, expected):
@@ -30,8 +33,14 @@ def test_gsm8k_scores():
     assert default_compute_score("openai/gsm8k", "#### 71", "72") == 0.0
     assert default_compute_score("openai/gsm8k", "72", "72") == 0.0  # strict: no #### -> 0
     assert default_compute_score("openai/gsm8k", "72", "72", method="flexible") == 1.0
-    assert gsm8k.compute_score("openai/gsm8k", "#### 71", "72", format_score=0.1) == 0.1
-    assert gsm8k.compute_score("openai/gsm8k", "#### 72", 72, score=2.0) == 2.0
+    # verl's signature: compute_score(solution_str, ground_truth, method, format_score, score)
+    assert gsm8k.compute_score("#### 71", "72", format_score=0.1) == 0.1
+    assert gsm8k.compute_score("no answer", "72", format_score=0.1) == 0.0  # nothing extracted: 0
+    assert gsm8k.compute_score("#### 72", 72, score=2.0) == 2.0  # an int ground truth compares as str
+    # verl's strictness: the flexible answer is compared verbatim, so "72." and "1,000" do not match.
+    assert gsm8k.compute_score("The answer is 72.", "72", method="flexible") == 0.0
+    assert gsm8k.compute_score("So 1,000 apples", "1000", method="flexible") == 0.0
+    assert gsm8k.compute_score("#### 1,000", "1000") == 1.0  # strict strips commas
     with pytest.raises(ValueError, match="strict.*flexible"):
         gsm8k.extract_solution("#### 1", method="loose")
 
@@ -45,6 +54,11 @@ def test_last_boxed_only_string_balances_braces():
     assert math_score.last_boxed_only_string("no box") is None
     assert math_score.last_boxed_only_string(r"\fbox{7}") == r"\fbox{7}"
     assert math_score.remove_boxed(r"\boxed 5") == "5"
+    # verl: a "\boxed " (space form) anywhere wins, cut at the next "$".
+    assert math_score.last_boxed_only_string(r"\boxed{1} and \boxed 5$ tail") == r"\boxed 5"
+    with pytest.raises(ValueError, match="not of the form"):
+        math_score.remove_boxed(r"\fbox{7}")
+    assert math_score.compute_score(r"\fbox{7}", "7") == 0.0  # verl cannot unbox \fbox: no score
 
 
 @pytest.mark.parametrize(
@@ -65,7 +79,7 @@ def test_last_boxed_only_string_balances_braces():
 def test_math_string_normalisation_equivalences(answer, truth):
     assert math_score.is_equiv(answer, truth)
     solution = f"We get $\\boxed{{{answer}}}$."
-    assert math_score.compute_score("lighteval/MATH", solution, truth, use_math_verify=False) == 1.0
+    assert math_score.compute_score(solution, truth) == 1.0  # verl's signature
 
 
 def test_math_fallback_scores():
@@ -77,15 +91,43 @@ def test_math_fallback_scores():
     assert not math_score.is_equiv("2", None) and math_score.is_equiv(None, None)
 
 
+@pytest.mark.parametrize(
+    "answer, truth, expected",
+    [
+        ("50%", "50", False),  # verl removes "\%" only, not a plain "%"
+        ("$5", "5", False),  # ... and "\$" only, not a plain "$"
+        (r"5\text{ cm}\text{ s}", "5", False),  # two "\text{ ": verl asserts -> raw strings compared
+        (r"5\text{ cm}\text{ s}", r"5\text{ cm}\text{ s}", True),
+        (r"2\sqrt", r"2\sqrt", True),  # a trailing \sqrt raises in verl's fix_sqrt -> raw equality
+        ("x/2", r"\frac{x}{2}", False),  # only integer a/b is rewritten
+        ("-1/2", r"\frac{-1}{2}", True),
+        (r"k = \frac{1}{4}", "1/4", True),
+    ],
+)
+def test_math_is_equiv_follows_verl_strictness(answer, truth, expected):
+    assert math_score.is_equiv(answer, truth) is expected
+
+
 def test_math_aliases_dispatch_to_the_same_scorer():
     for source in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"):
-        assert SCORERS.get(source) is math_score.compute_score
+        assert SCORERS.get(source) is math_score.score_math
 
 
-def test_math_verify_path():
+def test_math_string_match_is_default_and_math_verify_is_opt_in():
+    # 2/4 and 0.5 normalise to different strings (\frac{2}{4} vs \frac{1}{2}): the default says no.
+    assert default_compute_score("lighteval/MATH", r"\boxed{\frac{2}{4}}", "0.5") == 0.0
     pytest.importorskip("math_verify")
-    assert math_score.compute_score("lighteval/MATH", r"\boxed{\frac{2}{4}}", "0.5") == 1.0
-    assert math_score.compute_score("lighteval/MATH", r"\boxed{3}", "4") == 0.0
+    from hybridflow.utils.reward_score import math_verify
+
+    assert default_compute_score("lighteval/MATH", r"\boxed{\frac{2}{4}}", "0.5", use_math_verify=True) == 1.0
+    assert math_verify.compute_score(r"\boxed{3}", "4") == 0.0
+    assert math_verify.compute_score(r"so the answer is $\boxed{\frac{2}{4}}$", "0.5") == 1.0
+
+
+def test_math_reward_module_is_verl_alias():
+    from hybridflow.utils.reward_score import math_reward
+
+    assert math_reward.compute_score is math_score.compute_score
 
 
 # ---------------------------------------------------------------------------------------- arithmetic

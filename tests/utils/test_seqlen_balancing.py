@@ -1,14 +1,23 @@
 import itertools
 import random
 
+import numpy as np
 import pytest
+import torch
 
 from hybridflow.utils.seqlen_balancing import (
+    calculate_workload,
+    ceildiv,
+    get_group_balanced_partitions,
     get_reverse_idx,
     get_seqlen_balanced_partitions,
     karmarkar_karp,
     log_seqlen_unbalance,
+    prepare_dynamic_batch,
+    rearrange_micro_batches,
     rearrange_micro_batches_indices,
+    restore_dynamic_batch,
+    roundup_divisible,
 )
 
 
@@ -117,3 +126,81 @@ def test_reverse_idx_restores_order():
     permuted = [rows[i] for i in order]
     assert [permuted[j] for j in reverse] == rows
     assert get_reverse_idx([2, 0, 1]) == [1, 2, 0]
+
+
+# ------------------------------------------------------------------ verl's micro-batching API
+def _td(lengths, width):
+    """A TensorDict of ``len(lengths)`` left-aligned rows: ``attention_mask`` (B, width) and ``ids`` (B,)."""
+    from tensordict import TensorDict
+
+    mask = torch.tensor([[1] * n + [0] * (width - n) for n in lengths])
+    return TensorDict({"attention_mask": mask, "ids": torch.arange(len(lengths))}, batch_size=[len(lengths)])
+
+
+def test_ceildiv_roundup_and_workload():
+    assert (ceildiv(7, 3), ceildiv(6, 3), ceildiv(0, 5)) == (3, 2, 0)
+    assert (roundup_divisible(7, 4), roundup_divisible(8, 4)) == (8, 8)
+    assert calculate_workload(torch.tensor([1, 10])).tolist() == [24576 + 1, 245760 + 100]
+
+
+def test_rearrange_micro_batches_by_hand():
+    # 20 tokens / budget 10 -> 2 bins. Workloads w(s) = 24576 s + s^2: LDM pairs 8 with 2 and 6 with 4
+    # (sums 245828 and 245812), so each bin holds 10 tokens.
+    batches, idx = rearrange_micro_batches(_td([8, 2, 6, 4], 8), max_token_len=10)
+    assert idx == [[0, 1], [2, 3]]
+    assert [b["ids"].tolist() for b in batches] == idx
+    assert [int(b["attention_mask"].sum()) for b in batches] == [10, 10]
+
+
+def test_rearrange_micro_batches_balance_layout_and_minimum():
+    # min_num_micro_batch=3 forces one row per bin. By workload: [0] (10 tokens) > [2] (6) > [1] (3).
+    # Balanced layout P[::2][::-1] + P[1::2] puts the smallest first, the largest in the middle.
+    _, idx = rearrange_micro_batches(_td([10, 3, 6], 10), max_token_len=10, min_num_micro_batch=3)
+    assert idx == [[1], [0], [2]]
+    _, idx = rearrange_micro_batches(
+        _td([10, 3, 6], 10), max_token_len=10, min_num_micro_batch=3, use_dynamic_bsz_balance=False
+    )
+    assert idx == [[0], [2], [1]]  # LDM's order: decreasing workload
+    _, idx = rearrange_micro_batches(_td([5] * 4, 5), max_token_len=10, num_batches_divided_by=4)
+    assert len(idx) == 4  # 2 bins rounded up to a multiple of 4
+    with pytest.raises(ValueError, match="only 2 rows"):
+        rearrange_micro_batches(_td([1, 1], 4), max_token_len=10, min_num_micro_batch=3)
+    with pytest.raises(ValueError, match="must be >= the sequence length 8"):
+        rearrange_micro_batches(_td([1, 1], 8), max_token_len=4)
+
+
+def test_rearrange_micro_batches_keeps_forced_groups_together():
+    # Pairs (0,1) (2,3) (4,5) (6,7) of lengths 5, 1, 4, 2: 24 tokens -> 3 bins. Group workloads
+    # 245810, 49154, 196640, 98312: LDM gives {g0}, {g2}, {g1, g3}; balanced layout -> small, big, middle.
+    _, idx = rearrange_micro_batches(_td([5, 5, 1, 1, 4, 4, 2, 2], 5), max_token_len=10, force_group_size=2)
+    assert idx == [[2, 3, 6, 7], [0, 1], [4, 5]]
+    with pytest.raises(ValueError, match="force_group_size=3"):
+        rearrange_micro_batches(_td([1, 1, 1, 1], 2), max_token_len=4, force_group_size=3)
+
+
+def test_prepare_and_restore_dynamic_batch():
+    from hybridflow.protocol import DataProto
+
+    lengths = [7, 3, 9, 1, 4, 8]
+    td = _td(lengths, 9)
+    data = DataProto(
+        batch=td, non_tensor_batch={"uid": np.array(list("abcdef"), dtype=object)}, meta_info={"m": [1]}
+    )
+    micro, idx = prepare_dynamic_batch(data, max_token_len=12)
+    assert sorted(i for b in idx for i in b) == list(range(6))
+    for mb, rows in zip(micro, idx, strict=True):
+        assert mb.batch["ids"].tolist() == rows
+        assert mb.non_tensor_batch["uid"].tolist() == ["abcdef"[i] for i in rows]
+        assert mb.meta_info == {"m": [1]} and mb.meta_info is not data.meta_info
+    outputs = torch.cat([mb.batch["ids"] * 10 for mb in micro])  # per-row results in micro-batch order
+    assert restore_dynamic_batch(outputs, idx).tolist() == [0, 10, 20, 30, 40, 50]
+
+
+def test_group_balanced_partitions_by_hand():
+    # Groups a(1,1) b(9,9) c(5,5) d(5,5): workloads 49154, 442530, 245810, 245810. Two groups per rank;
+    # LDM pairs b with a (491684) and c with d (491620).
+    uids = ["a", "a", "b", "b", "c", "c", "d", "d"]
+    parts = get_group_balanced_partitions([1, 1, 9, 9, 5, 5, 5, 5], uids, 2)
+    assert parts == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ValueError, match="2 uid groups cannot fill 3"):
+        get_group_balanced_partitions([1, 1, 1], ["a", "a", "b"], 3)

@@ -3,7 +3,8 @@
 - ``compute_data_metrics``: scores, rewards, advantages, returns, values, explained variance, lengths;
 - ``compute_timing_metrics``: ``timing_s/<phase>`` and ``timing_per_token_ms/<phase>``;
 - ``compute_throughput_metrics``: ``perf/total_num_tokens``, ``perf/time_per_step``, ``perf/throughput``;
-- ``process_validation_metrics``: ``val-core/<source>/reward/mean@N``, ``best@N``, ``maj@N``, ...;
+- ``process_validation_metrics``: ``{source: {var: {"mean@N", "best@n/mean", "maj@n/std", ...}}}``, and
+  ``flatten_validation_metrics``: the trainer's ``val-core/<source>/<var>/<metric>`` keys;
 - ``compute_rollout_probs_diff``: rollout-engine vs trainer probability mismatch.
 
 Shapes follow :mod:`hybridflow.keys`: ``prompts (B, T_p)``, ``responses (B, T_r)``,
@@ -12,10 +13,9 @@ Shapes follow :mod:`hybridflow.keys`: ``prompts (B, T_p)``, ``responses (B, T_r)
 
 from __future__ import annotations
 
-import itertools
-import math
-from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -31,15 +31,16 @@ __all__ = [
     "compute_throughput_metrics",
     "compute_throughout_metrics",
     "reduce_metrics",
+    "bootstrap_metric",
+    "calc_maj_val",
     "process_validation_metrics",
+    "flatten_validation_metrics",
     "compute_rollout_probs_diff",
 ]
 
 # Phases normalised by response tokens only (generation) vs by all tokens (every forward/backward pass).
 _RESPONSE_TOKEN_PHASES = ("gen",)
 _ALL_TOKEN_PHASES = ("ref", "values", "adv", "update_critic", "update_actor", "old_log_prob")
-# At most this many n-subsets per prompt when averaging majority voting (all of them when fewer exist).
-_MAX_VOTE_SUBSETS = 256
 
 
 def _lengths(batch: DataProto) -> tuple[torch.Tensor, torch.Tensor, int, int]:
@@ -162,65 +163,96 @@ compute_throughout_metrics = compute_throughput_metrics  # verl's spelling, for 
 
 
 def reduce_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    """Mean of each list (e.g. one value per micro-batch); scalars pass through; empty lists are dropped."""
+    """Reduce each list of values (e.g. one per micro-batch or rank) to one number, as verl does.
+
+    A key with a ``max`` (or ``min``) path/underscore token takes the max (min), e.g.
+    ``perf/max_memory_allocated_gb``; everything else the mean. An empty list reduces to NaN (verl's
+    ``np.mean([])``); scalars and 0-d tensors pass through. Returns a new dict (the input is not
+    modified). verl matches plain substrings, so its ``timing_s/...`` (t-i-*min*-g) reduces by min;
+    matching whole tokens avoids that.
+    """
     reduced = {}
     for key, value in metrics.items():
-        if isinstance(value, torch.Tensor | np.ndarray) and value.ndim > 0:
-            value = value.reshape(-1).tolist()
-        if isinstance(value, list | tuple):
-            if len(value) == 0:
-                continue
-            value = np.mean([float(v) for v in value])
-        reduced[key] = float(value)
+        if isinstance(value, torch.Tensor | np.ndarray):
+            value = value.reshape(-1).tolist() if value.ndim > 0 else value.item()
+        if not isinstance(value, list | tuple):
+            reduced[key] = float(value)
+            continue
+        values = np.asarray([float(v) for v in value], dtype=np.float64)
+        tokens = set(key.replace("/", "_").split("_"))
+        if values.size == 0:
+            reduced[key] = float("nan")
+        elif "max" in tokens:
+            reduced[key] = float(values.max())
+        elif "min" in tokens:
+            reduced[key] = float(values.min())
+        else:
+            reduced[key] = float(values.mean())
     return reduced
 
 
-def _expected_extreme(values: np.ndarray, n: int, largest: bool) -> float:
-    """E[max] (or E[min]) of ``n`` of the samples drawn without replacement, computed exactly.
-
-    With ascending order statistics v_(1..N): P(max = v_(i)) = C(i-1, n-1) / C(N, n). For n = N this
-    is simply the max. (verl estimates the same quantity by bootstrap with replacement.)
-    """
-    ordered = np.sort(values) if largest else np.sort(values)[::-1]
-    total = math.comb(len(values), n)
-    return float(sum(v * math.comb(i, n - 1) for i, v in enumerate(ordered)) / total)
+def _bootstrap_indices(n: int, subset_size: int, n_bootstrap: int, seed: int) -> np.ndarray:
+    """``(n_bootstrap, subset_size)`` indices drawn with replacement: the very draws verl gets from
+    ``np.random.seed(seed)`` + one ``np.random.choice`` per iteration, without touching global state."""
+    return np.random.RandomState(seed).choice(n, size=(n_bootstrap, subset_size), replace=True)
 
 
-def _majority_value(vals: Sequence[float], votes: Sequence[Any]) -> float:
-    """Value of the first sample voting for the most common answer (ties: the first answer seen)."""
-    counts = Counter(votes)
-    winner = max(counts, key=counts.get)  # Counter keeps first-seen order, max keeps the first tie
-    return float(vals[list(votes).index(winner)])
+def bootstrap_metric(
+    data: list[Any],
+    subset_size: int,
+    reduce_fns: list[Callable[[list[Any]], float]],
+    n_bootstrap: int = 1000,
+    seed: int = 42,
+) -> list[tuple[float, float]]:
+    """``(mean, std)`` over ``n_bootstrap`` resamples of ``subset_size`` items (with replacement) of
+    each ``reduce_fn(resample)``, one pair per function (verl's estimator of best@n, maj@n, ...)."""
+    draws = _bootstrap_indices(len(data), subset_size, n_bootstrap, seed)
+    results = [[] for _ in reduce_fns]
+    for row in draws:
+        sample = [data[i] for i in row]
+        for out, fn in zip(results, reduce_fns, strict=True):
+            out.append(fn(sample))
+    return [(float(np.mean(r)), float(np.std(r))) for r in results]
 
 
-def _expected_majority(vals: np.ndarray, votes: list[Any], n: int, rng: np.random.Generator) -> float:
-    """Mean majority-vote value over n-subsets: all of them, or ``_MAX_VOTE_SUBSETS`` random ones."""
-    if math.comb(len(vals), n) <= _MAX_VOTE_SUBSETS:
-        subsets = list(itertools.combinations(range(len(vals)), n))
-    else:
-        subsets = [np.sort(rng.choice(len(vals), size=n, replace=False)) for _ in range(_MAX_VOTE_SUBSETS)]
-    return float(np.mean([_majority_value(vals[list(s)], [votes[i] for i in s]) for s in subsets]))
+def calc_maj_val(data: list[dict[str, Any]], vote_key: str, val_key: str) -> float:
+    """``val_key`` of the first item voting for the most common ``vote_key`` (ties: first seen)."""
+    vote2vals: dict[Any, list] = defaultdict(list)
+    for item in data:
+        vote2vals[item[vote_key]].append(item[val_key])
+    majority = max(vote2vals, key=lambda vote: len(vote2vals[vote]))  # dicts keep first-seen order
+    return vote2vals[majority][0]
 
 
-def _prompt_metrics(vals: np.ndarray, votes: list[Any] | None, rng: np.random.Generator) -> dict[str, float]:
-    """``mean@N``, ``std@N`` and, for n = 2, 4, ... < N and N, ``best@n``/``worst@n``/``maj@n`` means."""
+def _is_numeric(value: Any) -> bool:
+    if isinstance(value, torch.Tensor | np.ndarray):
+        return value.ndim == 0
+    return isinstance(value, bool | int | float | np.number)
+
+
+def _prompt_metrics(vals: list[float], preds: list[Any] | None, seed: int) -> dict[str, float]:
+    """verl's per-prompt metrics for one variable over its ``N`` samples: ``mean@N``; if N > 1 also
+    ``std@N`` and, for n in 2, 4, 8, ... < N and N, bootstrap ``best@n``/``worst@n`` (and ``maj@n``
+    when answers are given) ``/mean`` and ``/std``."""
     n_resps = len(vals)
     metrics = {f"mean@{n_resps}": float(np.mean(vals))}
     if n_resps == 1:
         return metrics
     metrics[f"std@{n_resps}"] = float(np.std(vals))
     ns = [2**p for p in range(1, n_resps.bit_length()) if 2**p < n_resps] + [n_resps]
+    array = np.asarray(vals, dtype=np.float64)
     for n in ns:
-        metrics[f"best@{n}/mean"] = _expected_extreme(vals, n, largest=True)
-        metrics[f"worst@{n}/mean"] = _expected_extreme(vals, n, largest=False)
-        if votes is not None:
-            metrics[f"maj@{n}/mean"] = _expected_majority(vals, votes, n, rng)
+        # Vectorised bootstrap of max/min: the same draws (same seed) as bootstrap_metric.
+        resampled = array[_bootstrap_indices(n_resps, n, 1000, seed)]
+        for name, stat in (("best", resampled.max(axis=1)), ("worst", resampled.min(axis=1))):
+            metrics[f"{name}@{n}/mean"], metrics[f"{name}@{n}/std"] = float(stat.mean()), float(stat.std())
+        if preds is not None:
+            votes = [{"val": v, "pred": p} for v, p in zip(vals, preds, strict=True)]
+            maj = partial(calc_maj_val, vote_key="pred", val_key="val")
+            [(metrics[f"maj@{n}/mean"], metrics[f"maj@{n}/std"])] = bootstrap_metric(
+                votes, n, [maj], seed=seed
+            )
     return metrics
-
-
-def _sample_count(metric_name: str) -> int:
-    """The n of ``best@n/mean`` or ``mean@n``."""
-    return int(metric_name.split("@")[1].split("/")[0])
 
 
 def process_validation_metrics(
@@ -228,43 +260,51 @@ def process_validation_metrics(
     sample_uids: Sequence[Any],
     infos_dict: dict[str, Sequence[Any]],
     seed: int = 42,
-) -> dict[str, float]:
-    """Validation metrics per data source, averaged over prompts, as flat ``val-*/<source>/<var>/<metric>``.
+) -> dict[str, dict[str, dict[str, float]]]:
+    """verl's validation statistics: ``{data_source: {var_name: {metric_name: value}}}``.
 
-    Rows sharing a uid are the N samples of one prompt. For every numeric variable (``reward``, ``acc``,
-    extra reward infos) each prompt gets ``mean@N``, ``std@N`` and, when N > 1, ``best@n/mean``,
-    ``worst@n/mean`` (expected max/min of n samples, exact) and, if ``infos_dict["pred"]`` holds the
-    answers, ``maj@n/mean`` (value of the majority answer). As in verl, ``val-core`` holds the core
-    variable's (``acc`` if present else ``reward``) mean/best/maj at the largest n; all else is ``val-aux``.
-    Differences: no bootstrap (so no ``/std`` entries) and subsets are drawn without replacement.
+    Rows sharing a uid are the N samples of one prompt. Every numeric variable of ``infos_dict``
+    (``reward``, ``acc``, extra reward infos; string columns such as ``pred`` are skipped) gets the
+    per-prompt metrics of :func:`_prompt_metrics` (``mean@N``, ``std@N``, ``best@n/mean``,
+    ``best@n/std``, ``worst@n/...``, ``maj@n/...`` when ``infos_dict["pred"]`` holds the answers),
+    each averaged over the prompts of the data source. The bootstrap draws 1000 resamples with
+    replacement from ``seed``, as verl does, so the numbers match verl's for the same inputs.
     """
-    rng = np.random.default_rng(seed)
-    groups: dict[str, dict[Any, list[int]]] = defaultdict(lambda: defaultdict(list))
-    for row, (source, uid) in enumerate(zip(data_sources, sample_uids, strict=True)):
-        groups[source][uid].append(row)
-    votes_all = infos_dict.get("pred")
-    numeric = [
-        var
-        for var, vals in infos_dict.items()
-        if var != "pred" and len(vals) and not isinstance(vals[0], str | bytes)
-    ]
-    core_var = "acc" if "acc" in numeric else "reward"
-
-    out: dict[str, float] = {}
-    for source, uid_rows in groups.items():
-        for var in numeric:
-            per_metric: dict[str, list[float]] = defaultdict(list)
-            for rows in uid_rows.values():
-                vals = np.asarray([float(infos_dict[var][i]) for i in rows])
-                votes = None if votes_all is None else [votes_all[i] for i in rows]
-                for name, value in _prompt_metrics(vals, votes, rng).items():
-                    per_metric[name].append(value)
-            n_max = max(_sample_count(name) for name in per_metric)
-            for name, prompt_vals in per_metric.items():
-                core = var == core_var and name.startswith(("mean@", "best@", "maj@"))
-                section = "val-core" if core and _sample_count(name) == n_max else "val-aux"
-                out[f"{section}/{source}/{var}/{name}"] = float(np.mean(prompt_vals))
+    rows: dict[str, dict[Any, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for i, (source, uid) in enumerate(zip(data_sources, sample_uids, strict=True)):
+        rows[source][uid].append(i)
+    preds = infos_dict.get("pred")
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for source, uid2rows in rows.items():
+        per_var: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        for prompt_rows in uid2rows.values():
+            for var, values in infos_dict.items():
+                vals = [values[i] for i in prompt_rows]
+                if not _is_numeric(vals[0]):
+                    continue
+                prompt_preds = None if preds is None else [preds[i] for i in prompt_rows]
+                vals = [float(v) for v in vals]
+                for name, value in _prompt_metrics(vals, prompt_preds, seed).items():
+                    per_var[var][name].append(value)
+        out[source] = {
+            var: {name: float(np.mean(v)) for name, v in metrics.items()} for var, metrics in per_var.items()
+        }
     return out
+
+
+def flatten_validation_metrics(data_src2var2metric2val: dict[str, dict[str, dict[str, float]]]) -> dict:
+    """The trainer's flat keys ``val-core/<source>/<var>/<metric>`` or ``val-aux/...``, as verl's
+    ``_validate`` files them: ``val-core`` holds the core variable's (``acc`` if the source has it,
+    else ``reward``) ``mean``/``maj``/``best`` metrics at the largest n; everything else is aux."""
+    flat = {}
+    for source, var2metric2val in data_src2var2metric2val.items():
+        core_var = "acc" if "acc" in var2metric2val else "reward"
+        for var, metric2val in var2metric2val.items():
+            n_max = max(int(name.split("@")[-1].split("/")[0]) for name in metric2val)
+            for name, value in metric2val.items():
+                core = var == core_var and name.startswith(("mean", "maj", "best")) and f"@{n_max}" in name
+                flat[f"{'val-core' if core else 'val-aux'}/{source}/{var}/{name}"] = value
+    return flat
 
 
 def compute_rollout_probs_diff(

@@ -1,6 +1,10 @@
 """Rule-based reward scorers, dispatched by ``data_source`` (verl's ``default_compute_score``).
 
-Every scorer has verl's custom-reward signature::
+Built in: ``openai/gsm8k`` (:mod:`.gsm8k`), ``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval``
+and ``HuggingFaceH4/MATH-500`` (:mod:`.math`; Math-Verify with ``use_math_verify=True``) as in verl,
+and ``hybridflow/arithmetic`` (:mod:`.arithmetic`). Each module's own ``compute_score`` keeps verl's
+signature (``gsm8k.compute_score(solution_str, ground_truth, method=...)``); what is registered here
+has verl's custom-reward signature::
 
     compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float | dict
 

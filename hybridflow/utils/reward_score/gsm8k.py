@@ -1,9 +1,11 @@
-"""GSM8K scorer with verl's semantics (ReFT, Trung et al., ACL 2024).
+"""GSM8K scorer, verl's ``verl.utils.reward_score.gsm8k`` (ReFT, Trung et al., ACL 2024).
 
-``method="strict"`` takes the number after the last ``#### `` (commas and ``$`` stripped);
-``method="flexible"`` takes the last number anywhere in the text (commas and, unlike verl, a
-sentence-final ``.`` stripped, so "The answer is 72." extracts ``72``). A match scores
-``score`` (1.0), a wrong extracted answer ``format_score`` (0.0), no extractable answer 0.
+Only the last 300 characters of a response are searched (regexes on very long strings are slow and
+the answer sits at the end). ``method="strict"`` takes the number after the last ``#### `` (the
+space is required; commas stripped); ``method="flexible"`` takes the last number-like token anywhere,
+verbatim (``"1,000"`` and ``"72."`` stay as written, so they do not equal ``"1000"`` / ``"72"``).
+A match with the ground truth scores ``score``, a wrong extracted answer ``format_score``, and no
+extractable answer 0.
 """
 
 from __future__ import annotations
@@ -12,48 +14,49 @@ import re
 
 from hybridflow.utils.reward_score import register_scorer
 
-# Regexes on very long strings are slow and the answer sits at the end (verl clips the same way).
-SOLUTION_CLIP_CHARS = 300
+_SOLUTION_CLIP_CHARS = 300
 
 _STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
 _NUMBER = re.compile(r"(\-?[0-9\.\,]+)")
 
 
-def _strict(text: str) -> str | None:
-    found = _STRICT.findall(text)
-    return found[-1].replace(",", "").replace("$", "") if found else None
-
-
-def _flexible(text: str) -> str | None:
-    for candidate in reversed(_NUMBER.findall(text)):
-        candidate = candidate.replace(",", "").rstrip(".")
-        if candidate not in ("", "-"):
-            return candidate
-    return None
-
-
-EXTRACTORS = {"strict": _strict, "flexible": _flexible}
-
-
 def extract_solution(solution_str: str, method: str = "strict") -> str | None:
     """The final answer string, or None when the text has none in the requested format."""
-    if method not in EXTRACTORS:
-        raise ValueError(f"gsm8k extract_solution: method={method!r}; choose one of {list(EXTRACTORS)}")
-    return EXTRACTORS[method](solution_str[-SOLUTION_CLIP_CHARS:])
+    if method not in ("strict", "flexible"):
+        raise ValueError(f"gsm8k extract_solution: method={method!r}; choose 'strict' or 'flexible'")
+    if len(solution_str) > _SOLUTION_CLIP_CHARS:
+        solution_str = solution_str[-_SOLUTION_CLIP_CHARS:]
+    if method == "strict":
+        found = _STRICT.findall(solution_str)
+        return found[-1].replace(",", "").replace("$", "") if found else None
+    found = _NUMBER.findall(solution_str)
+    for candidate in reversed(found):
+        if candidate not in ("", "."):
+            return candidate
+    # verl's loop variable survives a loop without a valid token: the first token (a lone ".").
+    return found[0] if found else None
 
 
-@register_scorer("openai/gsm8k")
 def compute_score(
-    data_source: str,
     solution_str: str,
     ground_truth: str,
-    extra_info: dict | None = None,
     method: str = "strict",
     format_score: float = 0.0,
     score: float = 1.0,
 ) -> float:
-    """``score`` if the extracted answer equals ``ground_truth`` (as strings), else ``format_score``/0."""
+    """``score`` if the extracted answer equals ``ground_truth`` exactly (as strings), ``format_score``
+    if an answer was extracted but differs, 0 if none was found (verl's signature)."""
     answer = extract_solution(solution_str, method=method)
     if answer is None:
         return 0.0
-    return float(score) if answer == str(ground_truth).replace(",", "") else float(format_score)
+    # verl compares with the ground truth as given; str() lets an int ground truth match too.
+    return score if answer == str(ground_truth) else format_score
+
+
+@register_scorer("openai/gsm8k")
+def score_gsm8k(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None, **kwargs
+) -> float:
+    """:func:`compute_score` under the dispatch signature (``method``, ``format_score``, ``score``
+    come through ``kwargs``)."""
+    return compute_score(solution_str, ground_truth, **kwargs)

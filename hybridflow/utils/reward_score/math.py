@@ -1,141 +1,169 @@
-"""MATH scorer: compare the last ``\\boxed{...}`` of a response with the ground truth.
+r"""MATH scorer, verl's ``verl.utils.reward_score.math``: the last ``\boxed{...}`` of a response against
+the ground truth after Hendrycks et al.'s string normalisation ("Measuring Mathematical Problem
+Solving With the MATH Dataset", 2021, as in lm-evaluation-harness).
 
-When ``math_verify`` (Hugging Face Math-Verify) is importable, equivalence is decided by its
-``parse``/``verify`` (symbolic); otherwise, and whenever it errors, by verl's string normalisation
-(Hendrycks et al., "Measuring Mathematical Problem Solving With the MATH Dataset", 2021):
-strip spaces, ``\\left``/``\\right``, units in ``\\text{}``, degrees, dollars, percent; rewrite
-``\\dfrac``/``\\tfrac``, ``\\frac12``, ``a/b`` and ``\\sqrt2`` to one canonical form; then ``==``.
+:func:`strip_string` removes line breaks, ``\!``, ``\left``/``\right``, degrees, ``\$``, ``\%`` and
+a trailing ``\text{ unit}``; rewrites ``tfrac``/``dfrac``, ``\frac12``, ``\sqrt2``, integer ``a/b``,
+``0.5``, a leading ``.`` and a short ``k = `` prefix to one canonical form. Plain ``$`` and ``%``
+are kept, as in verl. When normalising raises (odd inputs verl's code asserts on), :func:`is_equiv`
+falls back to comparing the raw strings, and :func:`compute_score` scores an answer it cannot
+unbox (``\fbox{...}``) as 0 — both as verl does.
+
+This string match is the default. Math-Verify (symbolic equivalence) is opt-in: pass
+``use_math_verify=True`` through ``default_compute_score`` / ``reward_kwargs``, or call
+:func:`hybridflow.utils.reward_score.math_verify.compute_score` (verl's ``math_verify`` module).
 """
 
 from __future__ import annotations
 
-import re
-
 from hybridflow.utils.reward_score import register_scorer
 
 
-def last_boxed_only_string(text: str) -> str | None:
-    """The last ``\\boxed{...}`` (or ``\\fbox{...}``, or ``\\boxed x``) with balanced braces, or None."""
-    idx = text.rfind("\\boxed")
+def last_boxed_only_string(string: str) -> str | None:
+    r"""The last ``\boxed{...}`` (or ``\fbox{...}``) with balanced braces, or None.
+
+    As in verl, a ``\boxed `` (with a space) anywhere wins: everything after the last one, up to a
+    ``$``, is returned as ``"\boxed " + rest``."""
+    if "\\boxed " in string:
+        return "\\boxed " + string.split("\\boxed ")[-1].split("$")[0]
+    idx = string.rfind("\\boxed")
     if idx < 0:
-        idx = text.rfind("\\fbox")
+        idx = string.rfind("\\fbox")
         if idx < 0:
             return None
-    if text.startswith("\\boxed ", idx):
-        return "\\boxed " + text[idx + len("\\boxed ") :].split("$")[0]
     depth = 0
-    for i in range(idx, len(text)):
-        if text[i] == "{":
+    for i in range(idx, len(string)):
+        if string[i] == "{":
             depth += 1
-        elif text[i] == "}":
+        elif string[i] == "}":
             depth -= 1
             if depth == 0:
-                return text[idx : i + 1]
+                return string[idx : i + 1]
     return None
 
 
-def remove_boxed(boxed: str) -> str | None:
-    """``\\boxed{x}`` → ``x`` (also ``\\fbox{x}`` and ``\\boxed x``); None if not of that form."""
-    for left in ("\\boxed ", "\\boxed{", "\\fbox{"):
-        if boxed.startswith(left):
-            inner = boxed[len(left) :]
-            if left.endswith("{"):
-                return inner[:-1] if inner.endswith("}") else None
-            return inner
-    return None
+def remove_boxed(s: str) -> str:
+    r"""``\boxed{x}`` → ``x`` and ``\boxed x`` → ``x``; ValueError for anything else (``\fbox`` too)."""
+    if "\\boxed " in s:
+        if not s.startswith("\\boxed "):
+            raise ValueError(f"remove_boxed: {s!r} does not start with '\\boxed '")
+        return s[len("\\boxed ") :]
+    if not (s.startswith("\\boxed{") and s.endswith("}")):
+        raise ValueError(f"remove_boxed: {s!r} is not of the form \\boxed{{...}}")
+    return s[len("\\boxed{") : -1]
 
 
-def _fix_fracs(s: str) -> str:
-    """``\\frac12`` → ``\\frac{1}{2}``, ``\\frac1{72}`` → ``\\frac{1}{72}``."""
-    parts = s.split("\\frac")
+def fix_fracs(string: str) -> str:
+    r"""``\frac12`` → ``\frac{1}{2}``, ``\frac1{72}`` → ``\frac{1}{72}`` (not ``\frac{72}1``)."""
+    parts = string.split("\\frac")
     out = parts[0]
     for part in parts[1:]:
         out += "\\frac"
-        if part.startswith("{"):
+        if part[0] == "{":  # an empty part (a trailing \frac) raises IndexError, as in verl
             out += part
             continue
         if len(part) < 2:
-            return s
+            return string
         a, b, rest = part[0], part[1], part[2:]
         out += "{" + a + "}" + (b + rest if b == "{" else "{" + b + "}" + rest)
     return out
 
 
-def _fix_a_slash_b(s: str) -> str:
-    """``3/4`` (plain integers) → ``\\frac{3}{4}``."""
-    match = re.fullmatch(r"(-?\d+)/(\d+)", s)
-    return f"\\frac{{{match.group(1)}}}{{{match.group(2)}}}" if match else s
-
-
-def _remove_right_units(s: str) -> str:
-    """``5\\text{ cm}`` → ``5`` (units written as a trailing ``\\text{ ...}``)."""
-    return s.split("\\text{ ")[0] if "\\text{ " in s else s
-
-
-def _fix_sqrt(s: str) -> str:
-    """``\\sqrt2`` → ``\\sqrt{2}``."""
-    return re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", s)
-
-
-def strip_string(s: str) -> str:
-    """verl/Hendrycks MATH answer normalisation (see the module docstring)."""
-    s = s.replace("\n", "").replace("\\!", "").replace("\\\\", "\\")
-    s = s.replace("tfrac", "frac").replace("dfrac", "frac")
-    s = s.replace("\\left", "").replace("\\right", "")
-    s = s.replace("^{\\circ}", "").replace("^\\circ", "")
-    s = s.replace("\\$", "").replace("$", "")
-    s = _remove_right_units(s)
-    s = s.replace("\\%", "").replace("%", "")
-    s = s.replace(" .", " 0.").replace("{.", "{0.")
-    if not s:
-        return s
-    if s[0] == ".":
-        s = "0" + s
-    lhs_rhs = s.split("=")
-    if len(lhs_rhs) == 2 and len(lhs_rhs[0]) <= 2:  # "k = 3" -> "3"
-        s = lhs_rhs[1]
-    s = _fix_sqrt(s).replace(" ", "")
-    s = _fix_fracs(s)
-    if s == "0.5":
-        s = "\\frac{1}{2}"
-    return _fix_a_slash_b(s)
-
-
-def is_equiv(a: str | None, b: str | None) -> bool:
-    """String equivalence after :func:`strip_string`."""
-    if a is None or b is None:
-        return a is None and b is None
-    return strip_string(a) == strip_string(b)
-
-
-def _math_verify_equiv(answer: str, ground_truth: str) -> bool | None:
-    """Math-Verify's verdict, or None when the package is missing or fails on these strings."""
+def fix_a_slash_b(string: str) -> str:
+    r"""``3/4`` → ``\frac{3}{4}`` when both sides are integers written canonically; else unchanged."""
+    parts = string.split("/")
+    if len(parts) != 2:
+        return string
     try:
-        import math_verify
-    except ImportError:
-        return None
+        a, b = int(parts[0]), int(parts[1])
+    except ValueError:
+        return string
+    return f"\\frac{{{a}}}{{{b}}}" if string == f"{a}/{b}" else string
+
+
+def remove_right_units(string: str) -> str:
+    r"""``5\text{ cm}`` → ``5``; two or more ``\text{ `` raise ValueError (verl asserts)."""
+    if "\\text{ " not in string:
+        return string
+    splits = string.split("\\text{ ")
+    if len(splits) != 2:
+        raise ValueError(f"remove_right_units: more than one '\\text{{ ' in {string!r}")
+    return splits[0]
+
+
+def fix_sqrt(string: str) -> str:
+    r"""``\sqrt3`` → ``\sqrt{3}`` (one character); a trailing ``\sqrt`` raises IndexError as in verl."""
+    if "\\sqrt" not in string:
+        return string
+    splits = string.split("\\sqrt")
+    out = splits[0]
+    for split in splits[1:]:
+        out += "\\sqrt" + split if split[0] == "{" else "\\sqrt{" + split[0] + "}" + split[1:]
+    return out
+
+
+def strip_string(string: str) -> str:
+    """verl's (Hendrycks') answer normalisation; see the module docstring for the rules."""
+    string = string.replace("\n", "").replace("\\!", "").replace("\\\\", "\\")
+    string = string.replace("tfrac", "frac").replace("dfrac", "frac")
+    string = string.replace("\\left", "").replace("\\right", "")
+    string = string.replace("^{\\circ}", "").replace("^\\circ", "")
+    string = string.replace("\\$", "")
+    string = remove_right_units(string)
+    string = string.replace("\\%", "")
+    string = string.replace(" .", " 0.").replace("{.", "{0.")
+    if not string:
+        return string
+    if string[0] == ".":
+        string = "0" + string
+    sides = string.split("=")
+    if len(sides) == 2 and len(sides[0]) <= 2:  # "k = 3" -> " 3"
+        string = sides[1]
+    string = fix_sqrt(string).replace(" ", "")
+    string = fix_fracs(string)
+    if string == "0.5":
+        string = "\\frac{1}{2}"
+    return fix_a_slash_b(string)
+
+
+def is_equiv(str1: str | None, str2: str | None, verbose: bool = False) -> bool:
+    """Equal after :func:`strip_string` (raw equality if normalising fails); two Nones are equal."""
+    if str1 is None or str2 is None:
+        return str1 is None and str2 is None
     try:
-        gold = math_verify.parse("\\boxed{" + ground_truth + "}")
-        pred = math_verify.parse("\\boxed{" + answer + "}")
-        return bool(math_verify.verify(gold, pred)) if gold and pred else None
-    except Exception:  # its parser raises on odd LaTeX and times out via signals: fall back
-        return None
+        ss1, ss2 = strip_string(str1), strip_string(str2)
+    except Exception:  # verl's normaliser asserts/indexes on odd input: compare the raw strings
+        return str1 == str2
+    if verbose:
+        print(ss1, ss2)
+    return ss1 == ss2
+
+
+def compute_score(solution_str: str, ground_truth: str) -> float:
+    r"""1.0 if the last ``\boxed{...}`` of ``solution_str`` is equivalent to ``ground_truth``, else 0.0
+    (verl's signature; an answer that cannot be unboxed scores 0)."""
+    boxed = last_boxed_only_string(solution_str)
+    if boxed is None:
+        return 0.0
+    try:
+        answer = remove_boxed(boxed)
+    except ValueError:
+        return 0.0
+    return 1.0 if is_equiv(answer, ground_truth) else 0.0
 
 
 @register_scorer("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
-def compute_score(
+def score_math(
     data_source: str,
     solution_str: str,
     ground_truth: str,
     extra_info: dict | None = None,
-    use_math_verify: bool = True,
+    use_math_verify: bool = False,
 ) -> float:
-    """1.0 if the last boxed answer equals ``ground_truth`` (Math-Verify, else normalised strings)."""
-    boxed = last_boxed_only_string(solution_str)
-    answer = remove_boxed(boxed) if boxed is not None else None
-    if answer is None:
-        return 0.0
-    verdict = _math_verify_equiv(answer, str(ground_truth)) if use_math_verify else None
-    if verdict is None:
-        verdict = is_equiv(answer, str(ground_truth))
-    return 1.0 if verdict else 0.0
+    """:func:`compute_score` under the dispatch signature; ``use_math_verify=True`` scores with
+    Math-Verify instead (:mod:`hybridflow.utils.reward_score.math_verify`)."""
+    if use_math_verify:
+        from hybridflow.utils.reward_score import math_verify
+
+        return math_verify.compute_score(solution_str, str(ground_truth))
+    return compute_score(solution_str, str(ground_truth))

@@ -1,14 +1,18 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.ppo.metric_utils import (
+    bootstrap_metric,
+    calc_maj_val,
     compute_data_metrics,
     compute_rollout_probs_diff,
     compute_throughput_metrics,
     compute_timing_metrics,
+    flatten_validation_metrics,
     process_validation_metrics,
     reduce_metrics,
 )
@@ -104,42 +108,126 @@ def test_timing_and_throughput():
 
 def test_reduce_metrics():
     reduced = reduce_metrics(
-        {"a": [1, 2, 3], "b": 4, "c": torch.tensor([1.0, 3.0]), "d": [], "e": torch.tensor(2)}
+        {
+            "a": [1, 2, 3],
+            "b": 4,
+            "c": torch.tensor([1.0, 3.0]),
+            "d": [],
+            "e": torch.tensor(2),
+            "perf/max_memory_allocated_gb": [1.0, 3.0],  # verl: a "max" key takes the max over ranks
+            "response_length/min": [2, 1],
+            "timing_s/update_actor_worker": [1.0, 3.0],  # "timing" is no "min" token: the mean
+        }
     )
-    assert reduced == {"a": 2.0, "b": 4.0, "c": 2.0, "e": 2.0}
+    assert math.isnan(reduced.pop("d"))  # verl's np.mean([]) is NaN; the key is kept, not dropped
+    assert reduced == {
+        "a": 2.0,
+        "b": 4.0,
+        "c": 2.0,
+        "e": 2.0,
+        "perf/max_memory_allocated_gb": 3.0,
+        "response_length/min": 1.0,
+        "timing_s/update_actor_worker": 2.0,
+    }
 
 
-def test_validation_metrics_by_hand():
-    # Two prompts x 3 samples. Prompt a: rewards 1, 0, 1, answers 4, 5, 4 -> majority "4" -> 1.
-    # Prompt b: rewards 0, 0, 1, answers 7, 7, 3 -> majority "7" -> 0.
+def _verl_bootstrap(data, subset_size, fn, seed=42):
+    """verl's procedure, literally: reseed the global RNG, one np.random.choice per resample."""
+    np.random.seed(seed)
+    stats = [fn([data[i] for i in np.random.choice(len(data), size=subset_size)]) for _ in range(1000)]
+    return np.mean(stats), np.std(stats)
+
+
+def test_bootstrap_metric_matches_verl_draws_and_theory():
+    data = [1, 2, 3, 4, 5]
+    state = np.random.get_state()
+    (mean_m, std_m), (max_m, _) = bootstrap_metric(data, 3, [np.mean, np.max])
+    assert np.array_equal(np.random.get_state()[1], state[1])  # global RNG untouched (verl reseeds it)
+    assert (mean_m, std_m) == pytest.approx(_verl_bootstrap(data, 3, np.mean), abs=1e-12)
+    assert max_m == pytest.approx(_verl_bootstrap(data, 3, np.max)[0], abs=1e-12)
+    # Theory: a resample of 1 is uniform on 1..5 (mean 3, std sqrt(2)); E[max of 3 draws] =
+    # sum_k k * ((k/5)^3 - ((k-1)/5)^3) = 4.2. 1000 resamples: a few standard errors of slack.
+    mean_1, std_1 = bootstrap_metric(data, 1, [np.mean])[0]
+    assert mean_1 == pytest.approx(3.0, abs=0.15) and std_1 == pytest.approx(math.sqrt(2), abs=0.1)
+    assert max_m == pytest.approx(4.2, abs=0.1)
+
+
+def test_calc_maj_val():
+    votes = [{"pred": "A", "val": 0.9}, {"pred": "B", "val": 0.8}, {"pred": "A", "val": 0.7}]
+    assert calc_maj_val(votes, vote_key="pred", val_key="val") == 0.9  # first value of the majority
+    tie = [{"p": "B", "v": 1.0}, {"p": "A", "v": 0.0}]
+    assert calc_maj_val(tie, vote_key="p", val_key="v") == 1.0  # a tie goes to the first answer seen
+
+
+def test_validation_metrics_nested_like_verl():
+    # Two prompts x 3 samples. Prompt a: rewards 1, 0, 1, answers 4, 5, 4; prompt b: 0, 0, 1 / 7, 7, 3.
     sources = ["gsm8k"] * 6
     uids = ["a", "a", "a", "b", "b", "b"]
     infos = {"reward": [1.0, 0.0, 1.0, 0.0, 0.0, 1.0], "pred": ["4", "5", "4", "7", "7", "3"]}
     m = process_validation_metrics(sources, uids, infos)
-    assert m["val-core/gsm8k/reward/mean@3"] == pytest.approx(0.5)  # (2/3 + 1/3) / 2
-    assert m["val-core/gsm8k/reward/best@3/mean"] == 1.0
-    assert m["val-core/gsm8k/reward/maj@3/mean"] == 0.5
-    assert m["val-aux/gsm8k/reward/worst@3/mean"] == 0.0
-    # best@2: a's max over the 3 pairs is 1 every time; b's pairs {0,0},{0,1},{0,1} -> 2/3. Mean 5/6.
-    assert m["val-aux/gsm8k/reward/best@2/mean"] == pytest.approx(5 / 6)
-    # worst@2: a's pairs {1,0},{1,1},{0,1} -> 1/3; b -> 0. Mean 1/6.
-    assert m["val-aux/gsm8k/reward/worst@2/mean"] == pytest.approx(1 / 6)
-    # maj@2 for a: pairs (4,5)->1, (4,4)->1, (5,4)->0 -> 2/3; b: (7,7)->0, (7,3)->0, (7,3)->0 -> 0.
-    assert m["val-aux/gsm8k/reward/maj@2/mean"] == pytest.approx(1 / 3)
-    assert m["val-aux/gsm8k/reward/std@3"] == pytest.approx(math.sqrt(2 / 9))
-    assert not any("/pred/" in key for key in m)
+    assert list(m) == ["gsm8k"] and list(m["gsm8k"]) == ["reward"]  # "pred" holds strings: skipped
+    reward = m["gsm8k"]["reward"]
+    assert set(reward) == {
+        "mean@3", "std@3",
+        *(f"{k}@{n}/{s}" for k in ("best", "worst", "maj") for n in (2, 3) for s in ("mean", "std")),
+    }  # fmt: skip
+    assert reward["mean@3"] == pytest.approx(0.5)  # (2/3 + 1/3) / 2
+    assert reward["std@3"] == pytest.approx(math.sqrt(2 / 9))  # both prompts: population std sqrt(2/9)
+    # Bootstrap with replacement, as verl: E[best@3] = 1 - P(no 1 in 3 draws): a 26/27, b 19/27.
+    assert reward["best@3/mean"] == pytest.approx((26 / 27 + 19 / 27) / 2, abs=0.03)
+    # E[worst@2] = P(both draws are 1): a (2/3)^2, b (1/3)^2.
+    assert reward["worst@2/mean"] == pytest.approx((4 / 9 + 1 / 9) / 2, abs=0.03)
+    # Exactly verl's numbers: same seed, same draws, averaged over the two prompts.
+    a, b = [1.0, 0.0, 1.0], [0.0, 0.0, 1.0]
+    for n in (2, 3):
+        for name, fn in (("best", np.max), ("worst", np.min)):
+            ref = [_verl_bootstrap(a, n, fn), _verl_bootstrap(b, n, fn)]
+            assert reward[f"{name}@{n}/mean"] == pytest.approx((ref[0][0] + ref[1][0]) / 2, abs=1e-12)
+            assert reward[f"{name}@{n}/std"] == pytest.approx((ref[0][1] + ref[1][1]) / 2, abs=1e-12)
+    maj = lambda sample: calc_maj_val(sample, "pred", "val")  # noqa: E731
+    votes_a = [{"val": v, "pred": p} for v, p in zip(a, ["4", "5", "4"], strict=True)]
+    votes_b = [{"val": v, "pred": p} for v, p in zip(b, ["7", "7", "3"], strict=True)]
+    ref = (_verl_bootstrap(votes_a, 3, maj)[0] + _verl_bootstrap(votes_b, 3, maj)[0]) / 2
+    assert reward["maj@3/mean"] == pytest.approx(ref, abs=1e-12)
 
 
-def test_validation_single_sample_and_acc_core():
+def test_validation_single_sample_and_flat_keys():
     m = process_validation_metrics(
         ["math", "math", "code"], [0, 1, 2], {"reward": [1.0, 0.0, 0.5], "acc": [True, False, True]}
     )
     assert m == {
-        "val-aux/math/reward/mean@1": 0.5,
+        "math": {"reward": {"mean@1": 0.5}, "acc": {"mean@1": 0.5}},
+        "code": {"reward": {"mean@1": 0.5}, "acc": {"mean@1": 1.0}},
+    }
+    assert flatten_validation_metrics(m) == {
+        "val-aux/math/reward/mean@1": 0.5,  # "acc" is the core variable when a source has it
         "val-core/math/acc/mean@1": 0.5,
         "val-aux/code/reward/mean@1": 0.5,
         "val-core/code/acc/mean@1": 1.0,
     }
+
+
+def test_flatten_validation_metrics_core_is_mean_best_maj_at_largest_n():
+    nested = {
+        "gsm8k": {
+            "reward": {
+                "mean@4": 0.5, "std@4": 0.1, "best@2/mean": 0.6, "best@4/mean": 0.7, "best@4/std": 0.2,
+                "worst@4/mean": 0.3, "maj@2/mean": 0.4, "maj@4/mean": 0.45, "maj@4/std": 0.05,
+            },
+            "length": {"mean@4": 12.0},
+        }
+    }  # fmt: skip
+    flat = flatten_validation_metrics(nested)
+    core = {k for k in flat if k.startswith("val-core/")}
+    assert core == {
+        "val-core/gsm8k/reward/mean@4",
+        "val-core/gsm8k/reward/best@4/mean",
+        "val-core/gsm8k/reward/best@4/std",  # verl files the /std of a core metric under val-core too
+        "val-core/gsm8k/reward/maj@4/mean",
+        "val-core/gsm8k/reward/maj@4/std",
+    }
+    assert flat["val-aux/gsm8k/reward/best@2/mean"] == 0.6 and flat["val-aux/gsm8k/length/mean@4"] == 12.0
+    assert len(flat) == 10
 
 
 def test_rollout_probs_diff():
