@@ -23,7 +23,7 @@ from hybridflow.algorithms.kl import (
     get_kl_controller,
     kl_penalty,
 )
-from hybridflow.algorithms.loss_agg import LOSS_AGG_MODES, agg_loss
+from hybridflow.algorithms.loss_agg import LOSS_AGG_MODES, GlobalBatchInfo, agg_loss
 from hybridflow.algorithms.policy_loss import (
     POLICY_LOSSES,
     PolicyLossConfig,
@@ -47,6 +47,7 @@ __all__ = [
     "AdvantageInputs",
     "AdvantageOutput",
     "FixedKLController",
+    "GlobalBatchInfo",
     "KLController",
     "PolicyLossConfig",
     "PolicyLossFn",

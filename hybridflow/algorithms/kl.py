@@ -94,9 +94,15 @@ KLController = FixedKLController | AdaptiveKLController
 
 
 def get_kl_controller(
-    kl_ctrl_type: str, kl_coef: float, target_kl: float = 0.1, horizon: float = 10000
+    kl_ctrl_type, kl_coef: float | None = None, target_kl: float = 0.1, horizon: float = 10000
 ) -> KLController:
-    """Build the ``"fixed"`` or ``"adaptive"`` controller (verl's ``algorithm.kl_ctrl`` section)."""
+    """Build the ``"fixed"`` or ``"adaptive"`` controller. Also takes verl's form: one
+    ``algorithm.kl_ctrl`` section (``type``, ``kl_coef``, ``target_kl``, ``horizon``)."""
+    if not isinstance(kl_ctrl_type, str):
+        section = kl_ctrl_type
+        kl_ctrl_type, kl_coef = section.type, section.kl_coef
+        target_kl, horizon = getattr(section, "target_kl", target_kl), getattr(section, "horizon", horizon)
+    kl_coef = float(kl_coef)
     if kl_ctrl_type == "fixed":
         return FixedKLController(kl_coef)
     if kl_ctrl_type == "adaptive":

@@ -8,6 +8,7 @@ Advantage estimators, policy losses, loss-aggregation modes and KL estimators ea
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from enum import Enum
 from typing import Generic, TypeVar
 
 F = TypeVar("F", bound=Callable)
@@ -41,9 +42,10 @@ class Registry(Generic[F]):
         """Decorator registering ``fn`` under ``name`` and every alias.
 
         Re-registering the same function under a name is a no-op; registering a *different* function
-        under a taken name raises ``RegistryError``. All names are checked before any is bound.
+        under a taken name raises ``RegistryError``. All names are checked before any is bound. An
+        ``Enum`` name (verl's ``AdvantageEstimator.GRPO``) registers its ``.value``.
         """
-        names = (name, *aliases)
+        names = tuple(_key(n) for n in (name, *aliases))
 
         def decorator(fn: F) -> F:
             for n in names:
@@ -62,7 +64,7 @@ class Registry(Generic[F]):
     def get(self, name: str) -> F:
         """The function registered under ``name``; ``RegistryError`` listing all names if unknown."""
         try:
-            return self._entries[name]
+            return self._entries[_key(name)]
         except (KeyError, TypeError):
             raise RegistryError(
                 f"Unknown {self.kind} {name!r}. Registered: {', '.join(self.names())}"
@@ -73,7 +75,7 @@ class Registry(Generic[F]):
         return sorted(self._entries)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries
+        return _key(name) in self._entries
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
@@ -83,6 +85,11 @@ class Registry(Generic[F]):
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}, names={self.names()})"
+
+
+def _key(name):
+    """Registry key of a name: an Enum member stands for its value."""
+    return name.value if isinstance(name, Enum) else name
 
 
 def _qualname(fn: Callable) -> str:

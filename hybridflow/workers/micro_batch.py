@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow import keys
+from hybridflow.algorithms import GlobalBatchInfo
 from hybridflow.protocol import DataProto
 from hybridflow.utils.seqlen_balancing import rearrange_micro_batches_indices
 
@@ -52,3 +53,18 @@ def restore_order(values: torch.Tensor, order: list[int] | None) -> torch.Tensor
     inverse = torch.empty(len(order), dtype=torch.long)
     inverse[torch.tensor(order)] = torch.arange(len(order))
     return values[inverse]
+
+
+def global_batch_info(mini: DataProto, loss_scale_factor: float | None = None) -> GlobalBatchInfo:
+    """This rank's mini-batch as part of the whole one: ``dp_size`` ranks, ``batch_num_tokens`` =
+    valid response tokens and ``global_batch_size`` = sequences with at least one, both summed over
+    the ranks (one all-reduce). Every micro-batch's loss is normalised by these, so the gradient of
+    a mini-batch does not depend on how it is split into micro-batches and ranks (verl semantics)."""
+    mask = mini.batch[keys.RESPONSE_MASK]
+    counts = torch.stack([mask.sum(), (mask.sum(dim=-1) > 0).sum()]).to(torch.float64)
+    dp_size = 1
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dp_size = dist.get_world_size()
+        dist.all_reduce(counts)
+    tokens, sequences = counts.tolist()
+    return GlobalBatchInfo(dp_size, tokens, sequences, loss_scale_factor)

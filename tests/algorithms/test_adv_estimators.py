@@ -322,10 +322,10 @@ def test_index_with_wrong_length_raises():
 def test_new_estimator_dispatches_without_editing_dispatcher(monkeypatch):
     monkeypatch.setattr(ADV_ESTIMATORS, "_entries", dict(ADV_ESTIMATORS._entries))
 
-    @register_adv_est("constant_one")
-    def constant_one(inputs: AdvantageInputs) -> AdvantageOutput:
-        ones = torch.ones_like(inputs.token_level_rewards) * inputs.response_mask
-        return AdvantageOutput(ones, ones)
+    @register_adv_est("constant_one")  # verl's estimator signature
+    def constant_one(token_level_rewards, response_mask, index=None, config=None, **kwargs):
+        ones = torch.ones_like(token_level_rewards) * response_mask
+        return ones, ones
 
     rewards, mask = outcome_rewards([3.0])
     torch.testing.assert_close(

@@ -61,7 +61,9 @@ def test_global_registries_contents():
         [
             "gae",
             "grpo",
+            "grpo_vectorized",
             "rloo",
+            "rloo_vectorized",
             "reinforce_plus_plus",
             "reinforce_plus_plus_baseline",
             "remax",

@@ -1,5 +1,6 @@
 """Policy losses against hand-derived values (arithmetic in the comments) and gradients."""
 
+import dataclasses
 import math
 
 import pytest
@@ -10,7 +11,6 @@ from hybridflow.algorithms import (
     PolicyLossConfig,
     PolicyLossInputs,
     compute_policy_loss,
-    get_policy_loss_fn,
 )
 
 D = torch.float64
@@ -29,7 +29,8 @@ def run(name, log_ratio, adv, mask=None, config=None, log_prob=None, weights=Non
     old = (log_prob - t(log_ratio)).detach()
     mask = t(mask) if mask is not None else torch.ones_like(old)
     inputs = PolicyLossInputs(old, log_prob, t(adv), mask, None if weights is None else t(weights))
-    return get_policy_loss_fn(name)(inputs, config or PolicyLossConfig()), log_prob
+    config = dataclasses.replace(config or PolicyLossConfig(), loss_mode=name)
+    return compute_policy_loss(inputs, config), log_prob
 
 
 def metric(out, key):

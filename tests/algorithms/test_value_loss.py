@@ -34,3 +34,25 @@ def test_value_loss_unclipped_when_close():
     )
     assert vf_loss.item() == pytest.approx(0.405)
     assert clipfrac.item() == 0.0
+
+
+def test_value_loss_micro_batches_with_global_counts_sum_to_whole():
+    # rows with 2 and 1 valid tokens; unclipped squared errors [1, 4 | 9] -> token-mean 0.5 * 14 / 3
+    vpreds = torch.tensor([[1.0, 2.0], [3.0, 0.0]], dtype=torch.float64)
+    returns = torch.zeros_like(vpreds)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
+    whole, _ = compute_value_loss(vpreds, returns, vpreds, mask, 0.5, "token-mean")
+    parts = [
+        compute_value_loss(
+            vpreds[i : i + 1],
+            returns[i : i + 1],
+            vpreds[i : i + 1],
+            mask[i : i + 1],
+            0.5,
+            "token-mean",
+            batch_num_tokens=3,
+        )[0]
+        for i in range(2)
+    ]
+    assert whole.item() == pytest.approx(0.5 * 14 / 3)
+    assert sum(p.item() for p in parts) == pytest.approx(0.5 * 14 / 3)

@@ -115,3 +115,49 @@ def test_get_response_mask():
     single = get_response_mask(ids[:1], eos_token_id=2, dtype=torch.float32)
     assert single.dtype == torch.float32
     torch.testing.assert_close(single, expected[:1].float())
+
+
+def test_masked_mean_ignores_nan_at_masked_positions():
+    # verl's example: values [1, 2, nan, 4] under mask [1, 0, 0, 1] -> (1 + 4) / 2 = 2.5
+    values = torch.tensor([1.0, 2.0, float("nan"), 4.0], requires_grad=True)
+    mask = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    out = masked_mean(values, mask)
+    assert out.item() == 2.5
+    out.backward()
+    torch.testing.assert_close(values.grad, torch.tensor([0.5, 0.0, 0.0, 0.5]))
+    assert masked_mean(values, mask.bool()).item() == 2.5
+
+
+def test_entropy_chunked_equals_full_with_gradient():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 7, 11, dtype=torch.float64, requires_grad=True)
+    full = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)  # float64 reference
+    chunked = entropy_from_logits(logits, chunk_tokens=4)  # 21 positions in 6 chunks
+    torch.testing.assert_close(chunked, full)
+    (g_full,) = torch.autograd.grad(full.sum(), logits)
+    (g_chunked,) = torch.autograd.grad(chunked.sum(), logits)
+    torch.testing.assert_close(g_chunked, g_full)
+    with torch.no_grad():
+        torch.testing.assert_close(entropy_from_logits(logits, chunk_tokens=5), full)
+
+
+def test_entropy_keeps_no_full_vocabulary_temporaries_for_backward():
+    # The unchunked form saves softmax(logits) — another (N, V) tensor — for the backward pass; the
+    # chunked form saves only views of the logits themselves (each chunk is recomputed in backward).
+    logits = torch.randn(4, 512, 64, requires_grad=True)
+
+    def saved_bytes(fn):
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(logits)
+        storages.pop(logits.untyped_storage().data_ptr(), None)
+        return sum(storages.values())
+
+    logits_bytes = logits.numel() * 4
+    assert saved_bytes(lambda z: entropy_from_logits(z, chunk_tokens=1 << 20)) >= logits_bytes
+    assert saved_bytes(lambda z: entropy_from_logits(z, chunk_tokens=256)) < logits_bytes / 8

@@ -1,13 +1,17 @@
 """verl-compatible import path for the PPO-family maths (``verl.trainer.ppo.core_algos``).
 
 The maths live in :mod:`hybridflow.algorithms`, a bottom-layer torch-only package: workers import it to
-compute losses without importing the trainer (lower layers never import upper ones). This module only
-re-exports those names and adds a few verl-style keyword wrappers for code ported from verl.
+compute losses without importing the trainer (lower layers never import upper ones). This module gives a
+verl user's recipe the names it imports — ``register_adv_est``, ``get_adv_estimator_fn``,
+``AdvantageEstimator``, ``register_policy_loss``, ``get_policy_loss_fn``, ``agg_loss``,
+``compute_*_advantage`` / ``compute_policy_loss_*``, ``kl_penalty``, ``compute_entropy_loss``, ... —
+with verl's call signatures. The registries are the same objects the trainer dispatches through.
 """
 
 from __future__ import annotations
 
-import numpy as np
+from enum import StrEnum
+
 import torch
 
 from hybridflow.algorithms import (
@@ -20,6 +24,7 @@ from hybridflow.algorithms import (
     AdvantageInputs,
     AdvantageOutput,
     FixedKLController,
+    GlobalBatchInfo,
     KLController,
     PolicyLossConfig,
     PolicyLossFn,
@@ -39,17 +44,67 @@ from hybridflow.algorithms import (
     register_adv_est,
     register_policy_loss,
 )
+from hybridflow.algorithms.advantage import (
+    compute_gae_advantage_return,
+    compute_gpg_outcome_advantage,
+    compute_grpo_outcome_advantage,
+    compute_grpo_passk_outcome_advantage,
+    compute_opo_outcome_advantage,
+    compute_reinforce_plus_plus_baseline_outcome_advantage,
+    compute_reinforce_plus_plus_outcome_advantage,
+    compute_remax_outcome_advantage,
+    compute_rloo_outcome_advantage,
+)
+from hybridflow.algorithms.policy_loss import (
+    compute_policy_loss_cispo,
+    compute_policy_loss_clip_cov,
+    compute_policy_loss_gpg,
+    compute_policy_loss_gspo,
+    compute_policy_loss_kl_cov,
+    compute_policy_loss_sapo,
+    compute_policy_loss_vanilla,
+)
+from hybridflow.utils.torch_functional import entropy_from_logits
+
+# Every estimator here is vectorised; verl's names for its vectorised versions are the same functions.
+compute_grpo_vectorized_outcome_advantage = compute_grpo_outcome_advantage
+compute_rloo_vectorized_outcome_advantage = compute_rloo_outcome_advantage
+
+POLICY_LOSS_REGISTRY = POLICY_LOSSES  # verl's module-level names for the registries
+ADV_ESTIMATOR_REGISTRY = ADV_ESTIMATORS
+
+
+class AdvantageEstimator(StrEnum):
+    """verl's enum of the built-in estimator names; ``register_adv_est`` / ``get_adv_estimator_fn``
+    accept its members (their ``.value`` is the registry key)."""
+
+    GAE = "gae"
+    GRPO = "grpo"
+    REINFORCE_PLUS_PLUS = "reinforce_plus_plus"
+    REINFORCE_PLUS_PLUS_BASELINE = "reinforce_plus_plus_baseline"
+    REMAX = "remax"
+    RLOO = "rloo"
+    OPO = "opo"
+    GRPO_PASSK = "grpo_passk"
+    GPG = "gpg"
+    RLOO_VECTORIZED = "rloo_vectorized"
+    GRPO_VECTORIZED = "grpo_vectorized"
+
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "ADV_ESTIMATOR_REGISTRY",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
+    "POLICY_LOSS_REGISTRY",
     "AdaptiveKLController",
+    "AdvantageEstimator",
     "AdvantageFn",
     "AdvantageInputs",
     "AdvantageOutput",
     "FixedKLController",
+    "GlobalBatchInfo",
     "KLController",
     "PolicyLossConfig",
     "PolicyLossFn",
@@ -60,11 +115,27 @@ __all__ = [
     "agg_loss",
     "apply_kl_penalty_to_rewards",
     "compute_advantage",
+    "compute_entropy_loss",
     "compute_gae_advantage_return",
+    "compute_gpg_outcome_advantage",
     "compute_grpo_outcome_advantage",
+    "compute_grpo_passk_outcome_advantage",
+    "compute_grpo_vectorized_outcome_advantage",
+    "compute_opo_outcome_advantage",
     "compute_policy_loss",
+    "compute_policy_loss_cispo",
+    "compute_policy_loss_clip_cov",
+    "compute_policy_loss_gpg",
+    "compute_policy_loss_gspo",
+    "compute_policy_loss_kl_cov",
+    "compute_policy_loss_sapo",
+    "compute_policy_loss_vanilla",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "compute_reinforce_plus_plus_outcome_advantage",
+    "compute_remax_outcome_advantage",
     "compute_rewards",
     "compute_rloo_outcome_advantage",
+    "compute_rloo_vectorized_outcome_advantage",
     "compute_value_loss",
     "get_adv_estimator_fn",
     "get_kl_controller",
@@ -75,46 +146,15 @@ __all__ = [
 ]
 
 
-def compute_gae_advantage_return(
-    token_level_rewards: torch.Tensor,
-    values: torch.Tensor,
-    response_mask: torch.Tensor,
-    gamma: float,
-    lam: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """verl's keyword form of the ``gae`` estimator; all tensors (B, T_r) -> (advantages, returns)."""
-    inputs = AdvantageInputs(token_level_rewards, response_mask, values=values, gamma=gamma, lam=lam)
-    return tuple(compute_advantage("gae", inputs))
-
-
-def compute_grpo_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: np.ndarray,
-    epsilon: float = 1e-6,
-    norm_adv_by_std_in_grpo: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """verl's keyword form of the ``grpo`` estimator; index (B,) group ids -> (advantages, returns)."""
-    inputs = AdvantageInputs(
-        token_level_rewards,
-        response_mask,
-        index=index,
-        epsilon=epsilon,
-        norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
-    )
-    return tuple(compute_advantage("grpo", inputs))
-
-
-def compute_rloo_outcome_advantage(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: np.ndarray
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """verl's keyword form of the ``rloo`` estimator -> (advantages, returns)."""
-    inputs = AdvantageInputs(token_level_rewards, response_mask, index=index)
-    return tuple(compute_advantage("rloo", inputs))
-
-
 def compute_rewards(
     token_level_scores: torch.Tensor, old_log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_ratio: float
 ) -> torch.Tensor:
     """verl's ``scores - kl_ratio * (log pi_old - log pi_ref)`` (k1 penalty, unmasked), shapes (B, T_r)."""
     return token_level_scores - kl_ratio * kl_penalty(old_log_prob, ref_log_prob, "k1")
+
+
+def compute_entropy_loss(
+    logits: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str = "token-mean"
+) -> torch.Tensor:
+    """Entropy of ``logits`` (B, T_r, V) aggregated under ``response_mask`` (B, T_r) (verl's helper)."""
+    return agg_loss(entropy_from_logits(logits), response_mask, loss_agg_mode)

@@ -4,20 +4,28 @@ One instance lives in each rank of the actor worker group and owns that rank's F
 policy. Mini-batches (``ppo_mini_batch_size`` prompts x ``rollout.n`` responses, divided over the
 ranks) give one optimizer step each; micro-batches inside accumulate gradients.
 
-Loss per micro-batch (PPO, Schulman et al. 2017, with verl's extensions)::
+Loss of a mini-batch (PPO, Schulman et al. 2017, with verl's extensions)::
 
     loss = pg_loss(old_log_probs, log_probs, advantages)      # any registered policy loss
          - entropy_coeff * entropy                            # token entropy of the current policy
          + kl_loss_coef  * KL(pi || pi_ref)                   # use_kl_loss (GRPO-style KL in the loss)
+
+Each term is aggregated with ``loss_agg_mode`` over the *whole mini-batch* — every micro-batch and
+every dp rank (``batch_num_tokens`` / ``global_batch_size`` from one all-reduce per mini-batch, see
+:mod:`hybridflow.algorithms.loss_agg`) — so micro-batches of different sizes (dynamic batch size,
+trimmed padding) are weighted exactly as if the mini-batch were one batch.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
 
 from hybridflow import keys
 from hybridflow.algorithms import (
+    GlobalBatchInfo,
     PolicyLossConfig,
     PolicyLossInputs,
     agg_loss,
@@ -28,17 +36,10 @@ from hybridflow.protocol import DataProto
 from hybridflow.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 from hybridflow.workers.forward import pad_responses, response_outputs
 from hybridflow.workers.fsdp_utils import grad_norm_and_clip
-from hybridflow.workers.micro_batch import restore_order, split_micro_batches
+from hybridflow.workers.micro_batch import global_batch_info, restore_order, split_micro_batches
 
-_POLICY_LOSS_KEYS = (
-    "clip_cov_ratio",
-    "clip_cov_lb",
-    "clip_cov_ub",
-    "kl_cov_ratio",
-    "ppo_kl_coef",
-    "tau_pos",
-    "tau_neg",
-)
+# Loss terms whose per-micro-batch values are shares of the mini-batch value: their metric is the sum.
+_SUMMED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss")
 
 
 def forward_response_logits(model: nn.Module, micro: DataProto, temperature: float) -> torch.Tensor:
@@ -61,29 +62,30 @@ def response_log_probs(
 
 
 def policy_loss_config(actor_cfg) -> PolicyLossConfig:
-    """The actor config section (verl keys) as the algorithms' PolicyLossConfig."""
-    loss_cfg = actor_cfg.get("policy_loss", {}) or {}
-    return PolicyLossConfig(
-        loss_mode=loss_cfg.get("loss_mode", "vanilla"),
-        clip_ratio=float(actor_cfg.clip_ratio),
-        clip_ratio_low=actor_cfg.get("clip_ratio_low"),
-        clip_ratio_high=actor_cfg.get("clip_ratio_high"),
-        clip_ratio_c=float(actor_cfg.get("clip_ratio_c", 3.0)),
-        loss_agg_mode=actor_cfg.loss_agg_mode,
-        loss_scale_factor=actor_cfg.get("loss_scale_factor"),
-        **{k: float(loss_cfg[k]) for k in _POLICY_LOSS_KEYS if k in loss_cfg},
-    )
+    """The actor config section (verl keys) as the algorithms' PolicyLossConfig; the section itself
+    stays reachable (``config.<any actor key>``) for verl-signature losses that read other keys."""
+    return PolicyLossConfig.from_config(actor_cfg)
 
 
 class DataParallelPPOActor:
     """Policy forward and update for one rank. ``config`` is the ``actor_rollout_ref.actor`` section,
     with ``ppo_mini_batch_size`` already converted to responses per rank by the worker."""
 
-    def __init__(self, config, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def __init__(
+        self,
+        config,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        response_length: int | None = None,
+    ) -> None:
         self.config = config
         self.module = module
         self.optimizer = optimizer
         self.loss_config = policy_loss_config(config) if optimizer is not None else None  # ref: no update
+        # seq-mean-token-sum-norm's constant divisor: actor.loss_scale_factor, else the configured
+        # maximum response length (verl's default, the padded response width).
+        scale = config.get("loss_scale_factor") if config is not None else None
+        self.loss_scale_factor = float(scale) if scale is not None else response_length
 
     # ------------------------------------------------------------------ log-probs
     def _forward(self, micro: DataProto, temperature: float, with_entropy: bool):
@@ -109,7 +111,10 @@ class DataParallelPPOActor:
         return log_probs, entropy
 
     # ------------------------------------------------------------------ update
-    def _micro_loss(self, micro: DataProto, temperature: float) -> tuple[torch.Tensor, dict]:
+    def _micro_loss(
+        self, micro: DataProto, temperature: float, info: GlobalBatchInfo
+    ) -> tuple[torch.Tensor, dict]:
+        """This micro-batch's share of the mini-batch loss (``info``: the mini-batch it belongs to)."""
         cfg = self.config
         with_entropy = float(cfg.entropy_coeff) != 0
         log_probs, entropy = self._forward(micro, temperature, with_entropy)
@@ -120,17 +125,24 @@ class DataParallelPPOActor:
             advantages=micro.batch[keys.ADVANTAGES],
             response_mask=mask,
         )
-        pg_loss, metrics = compute_policy_loss(inputs, self.loss_config)
+        loss_config = dataclasses.replace(
+            self.loss_config,
+            dp_size=info.dp_size,
+            batch_num_tokens=info.batch_num_tokens,
+            global_batch_size=info.global_batch_size,
+            loss_scale_factor=info.loss_scale_factor,
+        )
+        pg_loss, metrics = compute_policy_loss(inputs, loss_config)
         loss = pg_loss
         metrics = {k: float(v) for k, v in metrics.items()}
         metrics["actor/pg_loss"] = float(pg_loss.detach())
         if with_entropy:
-            entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
+            entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode, *info)
             loss = loss - float(cfg.entropy_coeff) * entropy_loss
             metrics["actor/entropy"] = float(entropy_loss.detach())
         if cfg.use_kl_loss:
             kld = kl_penalty(log_probs, micro.batch[keys.REF_LOG_PROB], cfg.kl_loss_type)
-            kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode)
+            kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, *info)
             loss = loss + float(cfg.kl_loss_coef) * kl_loss
             metrics["actor/kl_loss"] = float(kl_loss.detach())
             metrics["actor/kl_coef"] = float(cfg.kl_loss_coef)
@@ -145,6 +157,27 @@ class DataParallelPPOActor:
         metrics.setdefault("actor/grad_norm", []).append(float(grad_norm))
         self.optimizer.zero_grad(set_to_none=True)
 
+    def accumulate_gradients(self, mini: DataProto, temperature: float, metrics: dict[str, list]) -> None:
+        """Forward/backward every micro-batch of one mini-batch; gradients accumulate in the module
+        (reduced over the ranks on the last micro-batch). Metrics are appended to ``metrics``."""
+        cfg = self.config
+        info = global_batch_info(mini, self.loss_scale_factor)
+        micros, _ = split_micro_batches(
+            mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu
+        )
+        summed: dict[str, float] = {}
+        for index, micro in enumerate(micros):
+            self._set_grad_sync(index == len(micros) - 1)
+            loss, micro_metrics = self._micro_loss(micro, temperature, info)
+            loss.backward()
+            for key, value in micro_metrics.items():
+                if key in _SUMMED_METRICS:
+                    summed[key] = summed.get(key, 0.0) + value
+                else:
+                    metrics.setdefault(key, []).append(value)
+        for key, value in summed.items():
+            metrics.setdefault(key, []).append(value)
+
     def update_policy(self, data: DataProto) -> dict[str, list]:
         """PPO epochs over mini-batches of ``data`` (needs responses, input_ids, attention_mask,
         position_ids, response_mask, old_log_probs, advantages, and ref_log_prob with use_kl_loss)."""
@@ -155,15 +188,7 @@ class DataParallelPPOActor:
         metrics: dict[str, list] = {}
         for epoch in range(int(cfg.ppo_epochs)):
             for mini in self._mini_batches(data, seed=step * 1000 + epoch):
-                micros, _ = split_micro_batches(
-                    mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu
-                )
-                for index, micro in enumerate(micros):
-                    self._set_grad_sync(index == len(micros) - 1)
-                    loss, micro_metrics = self._micro_loss(micro, temperature)
-                    (loss * (len(micro) / len(mini))).backward()
-                    for key, value in micro_metrics.items():
-                        metrics.setdefault(key, []).append(value)
+                self.accumulate_gradients(mini, temperature, metrics)
                 self._optimizer_step(metrics)
         return metrics
 

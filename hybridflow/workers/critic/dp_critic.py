@@ -14,7 +14,7 @@ from hybridflow.algorithms import compute_value_loss
 from hybridflow.protocol import DataProto
 from hybridflow.workers.forward import pad_responses, response_outputs
 from hybridflow.workers.fsdp_utils import grad_norm_and_clip
-from hybridflow.workers.micro_batch import restore_order, split_micro_batches
+from hybridflow.workers.micro_batch import global_batch_info, restore_order, split_micro_batches
 
 
 def forward_values(model: nn.Module, micro: DataProto) -> torch.Tensor:
@@ -61,10 +61,15 @@ class DataParallelPPOCritic:
         return metrics
 
     def _update_mini_batch(self, mini: DataProto, metrics: dict[str, list]) -> None:
+        """One optimizer step on a mini-batch; each micro-batch's value loss is its share of the
+        mini-batch's (normalised over all micro-batches and ranks, as the actor's)."""
         cfg = self.config
+        scale = cfg.get("loss_scale_factor")
+        info = global_batch_info(mini, None if scale is None else float(scale))
         micros, _ = split_micro_batches(
             mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu
         )
+        vf_loss_total = 0.0
         for index, micro in enumerate(micros):
             if hasattr(self.module, "set_requires_gradient_sync"):
                 self.module.set_requires_gradient_sync(index == len(micros) - 1)
@@ -77,12 +82,14 @@ class DataParallelPPOCritic:
                 mask,
                 float(cfg.cliprange_value),
                 cfg.loss_agg_mode,
+                *info,
             )
-            (vf_loss * (len(micro) / len(mini))).backward()
-            metrics.setdefault("critic/vf_loss", []).append(float(vf_loss.detach()))
+            vf_loss.backward()
+            vf_loss_total += float(vf_loss.detach())
             metrics.setdefault("critic/vf_clipfrac", []).append(float(vf_clipfrac))
             vpred_mean = (vpreds.detach() * mask).sum() / mask.sum().clamp(min=1)
             metrics.setdefault("critic/vpred_mean", []).append(float(vpred_mean))
+        metrics.setdefault("critic/vf_loss", []).append(vf_loss_total)
         grad_norm = grad_norm_and_clip(self.module, float(cfg.grad_clip))
         if torch.isfinite(grad_norm):
             self.optimizer.step()

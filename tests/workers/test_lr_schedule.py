@@ -1,0 +1,74 @@
+"""Learning-rate schedules: verl's formulas, and the PPO trainer giving them the run's length."""
+
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from hybridflow.trainer.config import load_config
+from hybridflow.trainer.main_ppo import build_trainer
+from hybridflow.workers.fsdp_utils import build_lr_scheduler, lr_lambda
+
+
+def lrs(optim_cfg: dict, steps: int) -> list[float]:
+    """The lr each of ``steps`` updates uses (read before the scheduler steps, as the workers log it)."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([param], lr=optim_cfg["lr"])
+    scheduler = build_lr_scheduler(optimizer, OmegaConf.create(optim_cfg))
+    out = []
+    for _ in range(steps):
+        out.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    return out
+
+
+def test_constant_with_warmup_starts_at_zero_like_verl():
+    # verl: step / max(1, W) for step < W, then 1
+    assert [lr_lambda("constant", 2, 10, 0.0, 0.5)(s) for s in range(4)] == [0.0, 0.5, 1.0, 1.0]
+    assert [lr_lambda("constant", 0, 10, 0.0, 0.5)(s) for s in range(2)] == [1.0, 1.0]
+
+
+def test_cosine_decays_to_min_ratio_over_the_run():
+    # W = 0, total 4: 0.5 (1 + cos(pi * s / 4)) -> 1, 0.85355, 0.5, 0.14645, 0; with min 0.1: 0.1 + 0.9 x
+    f = lr_lambda("cosine", 0, 4, 0.0, 0.5)
+    expected = [1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4)), 0.0]
+    assert [f(s) for s in range(5)] == pytest.approx(expected)
+    g = lr_lambda("cosine", 0, 4, 0.1, 0.5)
+    assert [g(s) for s in range(5)] == pytest.approx([0.1 + 0.9 * x for x in expected])
+
+
+def test_cosine_without_total_steps_is_an_error():
+    with pytest.raises(ValueError, match="total_training_steps"):
+        lrs({"lr": 1.0, "warmup_style": "cosine", "total_training_steps": -1}, 1)
+    with pytest.raises(ValueError, match="total_training_steps"):
+        lrs({"lr": 1.0, "lr_warmup_steps_ratio": 0.5, "total_training_steps": -1}, 1)
+
+
+def test_ppo_trainer_gives_actor_and_critic_schedules_the_run_length(
+    tiny_model_dir, arithmetic_data, tmp_path
+):
+    train, test = arithmetic_data
+    config = load_config(
+        [
+            f"data.train_files={train}",
+            f"data.val_files={test}",
+            f"actor_rollout_ref.model.path={tiny_model_dir}",
+            "trainer.total_training_steps=4",
+            "trainer.logger=[console]",
+            "actor_rollout_ref.actor.optim.lr=1.0",
+            "actor_rollout_ref.actor.optim.warmup_style=cosine",
+            "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.5",
+            "critic.optim.warmup_style=cosine",
+        ]
+    )
+    OmegaConf.resolve(config)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        build_trainer(config)
+    actor_optim = OmegaConf.to_container(config.actor_rollout_ref.actor.optim)
+    assert actor_optim["total_training_steps"] == 4
+    assert config.critic.optim.total_training_steps == 4
+    # warmup W = int(0.5 * 4) = 2 steps from 0, then a cosine over the remaining 2: 0, 0.5, 1, 0.5
+    assert lrs(actor_optim, 4) == pytest.approx([0.0, 0.5, 1.0, 0.5])
