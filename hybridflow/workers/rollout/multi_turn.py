@@ -9,8 +9,9 @@ running batch while tools execute.
 Token-in, token-out: the conversation is kept as token ids. Generated tokens are appended as the
 engine returned them (mask 1); a tool turn is rendered with the model's chat template and only its
 new tokens are appended (mask 0), so the trained tokens are exactly the sampled ones. Bad tool calls
-(malformed JSON, unknown tool, missing arguments, a tool that raises) become an error message in
-the tool turn — the rollout never crashes on model output.
+(malformed JSON, unknown tool, missing arguments, a tool that raises or reports an error) become an
+error message in the tool turn and count in ``tool_failures``; the model's strings reach messages
+escaped (lone surrogates, NUL) and clipped, so the rollout never crashes on model output.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from typing import Any
 
 from hybridflow.workers.rollout.engine import LLMEngine, SamplingParams
 from hybridflow.workers.rollout.tools.base_tool import BaseTool
-from hybridflow.workers.rollout.tools.parser import ToolCall, ToolCallParser
+from hybridflow.workers.rollout.tools.parser import ToolCall, ToolCallParser, short_repr
+
+PARSE_IN_THREAD_CHARS = 100_000  # longer assistant messages are parsed off the event loop
 
 
 class TurnState(enum.Enum):
@@ -101,6 +104,12 @@ def truncate_text(text: str, limit: int, side: str = "middle") -> str:
     return text[:head] + marker + text[len(text) - (keep - head) :]
 
 
+def encodable(text) -> str:
+    """``text`` as a string every tokenizer accepts: lone surrogates (which a model's JSON can carry,
+    ``"\\udc80"``) become their ``\\udc80`` escape instead of making the encode raise TypeError."""
+    return str(text).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class ToolTurnRenderer:
     """The token ids a tool-response turn adds after an assistant turn, rendered by the chat template.
 
@@ -124,7 +133,7 @@ class ToolTurnRenderer:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def tool_turn_ids(self, responses: list[str]) -> list[int]:
-        tool_messages = [{"role": "tool", "content": text} for text in responses]
+        tool_messages = [{"role": "tool", "content": encodable(text)} for text in responses]
         full = self._encode(self._base + tool_messages, add_generation_prompt=True)
         if full[: len(self._prefix)] != self._prefix:
             raise ValueError("the chat template re-renders earlier turns when a tool turn is added")
@@ -187,9 +196,11 @@ class ToolAgentLoop:
             turn = result.completions[0]
             conv.append(turn.token_ids, generated=True, log_probs=turn.log_probs)
             conv.assistant_turns += 1
-            _, calls, errors = self.parser.parse(
-                self.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
-            )
+            text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
+            if len(text) < PARSE_IN_THREAD_CHARS:
+                _, calls, errors = self.parser.parse(text)
+            else:  # a long message: keep the event loop (other conversations) moving meanwhile
+                _, calls, errors = await asyncio.to_thread(self.parser.parse, text)
             if turn.finish_reason == "length" or not (calls or errors):
                 conv.finish_reason = turn.finish_reason
                 return
@@ -213,10 +224,13 @@ class ToolAgentLoop:
         conv.tool_calls += len(calls) + len(parse_errors)
         conv.tool_failures += sum(not ok for _, ok in outcomes) + len(refused) + len(parse_errors)
         texts = [text for text, _ in outcomes]
-        texts += [f"Error: at most {limit} tool calls run per turn; '{c.name}' was not run." for c in refused]
+        texts += [
+            f"Error: at most {limit} tool calls run per turn; {short_repr(c.name)} was not run."
+            for c in refused
+        ]
         texts += [f"Error: {message}" for message in parse_errors]
         side, size = self.limits.tool_response_truncate_side, self.limits.max_tool_response_length
-        return [truncate_text(text, size, side) for text in texts]
+        return [truncate_text(encodable(text), size, side) for text in texts]
 
 
 class _ToolSession:
@@ -231,23 +245,26 @@ class _ToolSession:
         return dict((self.tools_kwargs.get(name) or {}).get(f"{stage}_kwargs") or {})
 
     async def call(self, call: ToolCall) -> tuple[str, bool]:
-        """(response text, succeeded)."""
+        """(response text, succeeded). A call fails when the tool is unknown, arguments are missing, the
+        tool raises or returns something malformed, or its metrics carry an ``"error"``."""
         tool = self.tools.get(call.name)
+        name = short_repr(call.name)  # the model's string, escaped and clipped for the message
         if tool is None:
-            return f"Error: unknown tool '{call.name}'; available: {', '.join(sorted(self.tools))}", False
+            return f"Error: unknown tool {name}; available: {', '.join(sorted(self.tools))}", False
         missing = tool.missing_arguments(call.arguments)
         if missing:
-            return f"Error: tool '{call.name}' is missing required argument(s): {', '.join(missing)}", False
+            return f"Error: tool {name} is missing required argument(s): {', '.join(missing)}", False
         try:
             if call.name not in self.instances:
                 self.instances[call.name] = await tool.create(**self._kwargs(call.name, "create"))
-            text, reward, _ = await tool.execute(
+            text, reward, metrics = await tool.execute(
                 self.instances[call.name], call.arguments, **self._kwargs(call.name, "execute")
             )
+            reward = float(reward)
         except Exception as error:  # a broken tool is the model's feedback, not a crashed rollout
-            return f"Error: tool '{call.name}' failed: {type(error).__name__}: {error}", False
-        self.step_rewards += float(reward)
-        return str(text), True
+            return f"Error: tool {name} failed: {type(error).__name__}: {error}", False
+        self.step_rewards += reward
+        return str(text), not (isinstance(metrics, dict) and metrics.get("error"))
 
     async def rewards(self) -> float:
         total = self.step_rewards

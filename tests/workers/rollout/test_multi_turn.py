@@ -2,6 +2,7 @@
 processor (a real tiny model whose outputs are forced token by token)."""
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from hybridflow.workers.rollout.engine import EngineModel, LLMEngine, SamplingPa
 from hybridflow.workers.rollout.multi_turn import MultiTurnLimits, ToolAgentLoop, truncate_text
 from hybridflow.workers.rollout.tools.base_tool import BaseTool, ToolSchema
 from hybridflow.workers.rollout.tools.parser import get_tool_call_parser
+from hybridflow.workers.rollout.tools.python_tool import PythonTool
 
 EOS = 2  # <|im_end|>
 
@@ -38,6 +40,26 @@ class BrokenTool(BaseTool):
 
     async def execute(self, instance_id, parameters, **kwargs):
         raise RuntimeError("disk on fire")
+
+
+class EchoTool(BaseTool):
+    """Answers with the model's own string, so whatever the model wrote reaches the tool turn."""
+
+    def __init__(self):
+        super().__init__({}, ToolSchema("echo", "echo text", {"type": "object", "required": ["text"]}))
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        return str(parameters["text"]), 0.0, {}
+
+
+class RefusingTool(BaseTool):
+    """Returns normally but reports an error in its metrics: the call must count as failed."""
+
+    def __init__(self):
+        super().__init__({}, ToolSchema("refuse"))
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        return "cannot do that", 0.0, {"error": "refused"}
 
 
 class Script:
@@ -129,6 +151,52 @@ def test_malformed_json_unknown_tool_and_a_raising_tool_become_error_turns(setup
     assert "RuntimeError: disk on fire" in tool_turns
     assert "missing required argument(s): b" in tool_turns
     assert conv.tool_failures == 4 and conv.assistant_turns == 5 and conv.finish_reason == "stop"
+
+
+def test_odd_strings_from_the_model_become_error_turns_never_a_crash(setup):
+    tools = [EchoTool(), RefusingTool(), PythonTool()]
+    tokenizer, loop = _loop(setup, tools, response_length=900, max_tool_response_length=120)
+    turns = [  # the model writes JSON escapes; json.loads turns them into lone surrogates and NUL
+        r'<tool_call>{"name": "\udc80", "arguments": {}}</tool_call>',
+        r'<tool_call>{"name": "\u0000../../etc/passwd", "arguments": {}}</tool_call>',
+        r'<tool_call>{"name": "echo", "arguments": {"text": "a\ud800b\u0000c"}}</tool_call>',
+        r'<tool_call>{"name": "code_interpreter", "arguments": {"code": "print(\"\udc80\")"}}</tool_call>',
+        '<tool_call>{"name": "refuse"}</tool_call>',
+        "I give up",
+    ]
+    conv = asyncio.run(
+        loop.run(_prompt(tokenizer), SamplingParams(logits_processor=Script(tokenizer, turns)))
+    )
+    assert conv.finish_reason == "stop" and conv.assistant_turns == 6 and conv.user_turns == 5
+    tool_turns = tokenizer.decode([t for t, m in zip(conv.response_ids, conv.response_mask) if m == 0])
+    assert r"unknown tool '\udc80'" in tool_turns
+    assert r"unknown tool '\x00../../etc/passwd'" in tool_turns
+    assert "a\\ud800b\x00c" in tool_turns  # the echo succeeded; its surrogate went in escaped
+    assert "is not valid Unicode (a lone surrogate at character 7)" in tool_turns
+    assert "cannot do that" in tool_turns
+    # unknown, unknown, bad code, refused: failures; only the echo succeeded
+    assert (conv.tool_calls, conv.tool_failures) == (5, 4)
+
+
+def test_long_messages_are_parsed_off_the_event_loop(setup, monkeypatch):
+    from hybridflow.workers.rollout import multi_turn
+    from hybridflow.workers.rollout.tools.parser import HermesParser
+
+    class RecordingParser(HermesParser):
+        threads = []
+
+        def parse(self, text):
+            self.threads.append(threading.current_thread())
+            return super().parse(text)
+
+    monkeypatch.setattr(multi_turn, "PARSE_IN_THREAD_CHARS", 0)  # every message counts as long
+    tokenizer, loop = _loop(setup, [AddTool()])
+    loop.parser = RecordingParser()
+    script = Script(tokenizer, [_call(2, 3), "The answer is 5"])
+    conv = asyncio.run(loop.run(_prompt(tokenizer), SamplingParams(logits_processor=script)))
+    assert (conv.tool_calls, conv.tool_failures, conv.finish_reason) == (1, 0, "stop")
+    assert len(RecordingParser.threads) == 2
+    assert all(thread is not threading.main_thread() for thread in RecordingParser.threads)
 
 
 def test_turn_and_length_limits(setup):

@@ -4,7 +4,8 @@ A tool is configured once (``config`` from the tool YAML, plus its OpenAI functi
 serves many rollout samples at the same time: each sample gets its own instance id from
 :meth:`BaseTool.create`, calls :meth:`BaseTool.execute` any number of times, may be scored with
 :meth:`BaseTool.calc_reward`, and is cleaned up with :meth:`BaseTool.release`. ``execute`` never raises
-for bad model input: it returns an error message as the tool's response instead.
+for bad model input: it returns an error message as the tool's response instead, with
+``metrics["error"]`` set so the call counts as failed.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class BaseTool:
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs
     ) -> tuple[str, float, dict]:
-        """Run one call; returns ``(response_text, step_reward, metrics)``."""
+        """Run one call; returns ``(response_text, step_reward, metrics)``. A truthy
+        ``metrics["error"]`` (a short reason) marks the call as failed in the rollout's counts."""
         raise NotImplementedError
 
     async def calc_reward(self, instance_id: str, **kwargs) -> float:

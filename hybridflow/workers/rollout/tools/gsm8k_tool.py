@@ -35,12 +35,15 @@ class Gsm8kTool(BaseTool):
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs
     ) -> tuple[str, float, dict]:
-        """Score ``parameters["answer"]``; returns ``(message, step_reward, {})``, never raises."""
+        """Score ``parameters["answer"]``; returns ``(message, step_reward, metrics)``, never raises
+        (metrics is ``{}``, or ``{"error": reason}`` for a call that could not be scored)."""
         state = self._instances.get(instance_id)
         if state is None:
-            return f"Error: unknown instance id {instance_id!r} for tool {self.name!r}.", 0.0, {}
+            message = f"Error: unknown instance id {instance_id!r} for tool {self.name!r}."
+            return message, 0.0, {"error": "unknown instance"}
         if not isinstance(parameters, dict) or "answer" not in parameters:
-            return f"Error: tool {self.name!r} requires the argument 'answer'.", 0.0, {}
+            message = f"Error: tool {self.name!r} requires the argument 'answer'."
+            return message, 0.0, {"error": "bad arguments"}
         answer = parameters["answer"]
         if not isinstance(answer, str):
             answer = str(answer)
@@ -62,7 +65,6 @@ class Gsm8kTool(BaseTool):
         if state["ground_truth"] is None:
             return 0.0
         return compute_score(
-            "openai/gsm8k",
             state["response"],
             state["ground_truth"],
             method=self.score_method,

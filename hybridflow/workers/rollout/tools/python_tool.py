@@ -2,8 +2,9 @@
 
 Tool config keys (all optional) mirror :class:`~hybridflow.workers.rollout.tools.sandbox.SandboxLimits`:
 ``wall_timeout_s``, ``cpu_time_s``, ``memory_mb``, ``max_processes``, ``max_output_bytes``,
-``max_file_bytes``, ``max_open_files``, ``use_network_namespace``, ``drop_privileges``,
-``import_site_packages``; plus ``work_root``, the directory the per-call temporary directories go in.
+``max_file_bytes``, ``max_open_files``, ``max_disk_mb``, ``use_network_namespace``,
+``drop_privileges``, ``import_site_packages``; plus ``work_root``, where each call's small host directory
+(the code and two mount points, never visible to the code) goes.
 verl's ``default_timeout`` and ``memory_limit_mb`` are read as ``wall_timeout_s`` and ``memory_mb``.
 Each :meth:`PythonTool.execute` call is a fresh process: nothing carries over between calls.
 """
@@ -74,18 +75,32 @@ class PythonTool(BaseTool):
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs
     ) -> tuple[str, float, dict]:
-        """Returns ``(response_text, 0.0, metrics)``; bad input gives an error message, never an exception."""
-        code = parameters.get("code") if isinstance(parameters, dict) else None
-        if not isinstance(code, str):
-            problem = "is missing" if code is None else f"must be a string, got {type(code).__name__}"
+        """Returns ``(response_text, 0.0, metrics)``; never raises. ``metrics["error"]`` is set (the call
+        failed) for bad arguments and for code that did not run to a clean exit: an exception, a
+        non-zero exit, a timeout, a limit hit, or a sandbox that could not start."""
+        problem = _code_problem(parameters.get("code") if isinstance(parameters, dict) else None)
+        if problem is not None:
             return f"Error: the 'code' argument {problem}.", 0.0, {"error": "bad arguments"}
-        if not code.strip():
-            return "Error: the 'code' argument is empty.", 0.0, {"error": "bad arguments"}
-        result = await run_python(code, self.limits, work_root=self.work_root)
+        result = await run_python(parameters["code"], self.limits, work_root=self.work_root)
         metrics = {
             "exit_code": result.exit_code,
             "timed_out": result.timed_out,
             "killed_reason": result.killed_reason,
             "duration_s": result.duration_s,
         }
+        if result.timed_out or result.killed_reason is not None or result.exit_code != 0:
+            metrics["error"] = result.killed_reason or f"exit code {result.exit_code}"
         return format_response(result, self.limits.wall_timeout_s), 0.0, metrics
+
+
+def _code_problem(code: Any) -> str | None:
+    """Why ``code`` cannot be run (completing "the 'code' argument ..."), or None."""
+    if not isinstance(code, str):
+        return "is missing" if code is None else f"must be a string, got {type(code).__name__}"
+    if not code.strip():
+        return "is empty"
+    try:
+        code.encode("utf-8")
+    except UnicodeEncodeError as error:  # a lone surrogate, e.g. from a JSON "\udc80" escape
+        return f"is not valid Unicode (a lone surrogate at character {error.start})"
+    return None

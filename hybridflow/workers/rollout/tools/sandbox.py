@@ -1,41 +1,46 @@
 """Run untrusted, model-written Python in a contained child process (Linux only).
 
 ``await run_python(code, limits)`` never raises for anything the code does; it always returns a
-:class:`SandboxResult`. Many runs may be awaited concurrently on one event loop. What contains the code:
+:class:`SandboxResult`. Many runs may be awaited concurrently on one event loop. The mechanism is Linux
+namespaces set up directly by :mod:`._sandbox_child` (``unshare``/``mount``/``pivot_root``/``capset``
+through ctypes), so nothing beyond the kernel and the running interpreter is needed. What contains the
+code (``result.isolation`` reports what held):
 
-* **A separate process** (``python -I -S -B``: no environment variables, user site, or site-packages)
-  in its own session/process group, in a fresh temporary working directory (``HOME`` and ``TMPDIR``
-  too) that is deleted afterwards, with a minimal environment and stdin from /dev/null.
-* **Resource limits** set in the child before the code runs: RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE,
-  RLIMIT_NOFILE, RLIMIT_NPROC, RLIMIT_CORE=0, plus a wall-clock timeout enforced by the parent.
-* **Cleanup of every process**: after the main process exits or times out, the parent SIGKILLs its
-  process group and, when the child runs under its own uid, every process of that uid, until none is left.
-* **No network**: a new network namespace holding only a downed loopback (``unshare(CLONE_NEWNET)`` as
-  root, ``CLONE_NEWUSER | CLONE_NEWNET`` otherwise). Only if that fails are the ``socket`` constructors
-  replaced by stubs raising PermissionError, which ctypes could get around. ``result.isolation["network"]``
-  says which held ("netns" or "python-guard").
+* **Its own filesystem.** A new mount namespace whose root is a read-only tmpfs holding only read-only,
+  nosuid binds of /usr (/bin, /lib... as on the host), of the interpreter's prefix and of the
+  directories of the libraries it has loaded, a generated /etc (passwd, group, hosts, ld.so.cache,
+  localtime), /dev/{null,zero,full,random,urandom}, its own read-only /proc, and one tmpfs of
+  ``max_disk_mb`` private to the run behind /sandbox (working directory, HOME), /tmp, /var/tmp and
+  /dev/shm. The host's tree is detached (``pivot_root``): /root, /home, /etc/shadow, /run, /sys, the
+  host's /tmp and /dev/shm, Ray's session directory and every unix socket of the host do not exist
+  there. Files written by the code are gone when the run ends; nothing is written on the host.
+* **Its own processes.** A new pid namespace: the code sees only its own processes (its /proc shows
+  nothing else), cannot signal or ptrace anything outside, and everything it started is killed by the
+  kernel when its main process ends. New IPC, UTS (hostname ``sandbox``) and cgroup namespaces too.
+* **No network** (unless ``use_network_namespace=False``): a new network namespace holding only a
+  downed loopback, which also hides the host's abstract unix sockets. With the option off, only
+  Python-level ``socket`` stubs stand in the way, which ctypes gets around.
+* **No privileges.** Every capability set is emptied (bounding set included) and ``no_new_privs`` is
+  set, so set-uid binaries and file capabilities grant nothing, also when the parent is root. As root
+  (``drop_privileges=True``, the default) the code runs under a fresh uid/gid, different for every
+  concurrent run, with no supplementary groups: it owns no file of the host. Not root, the same holds
+  inside a user namespace mapping only the caller's uid (needs unprivileged user namespaces).
+* **Resource limits** set before the code runs: RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NOFILE,
+  RLIMIT_NPROC (exact per run under the fresh uid), RLIMIT_CORE=0, a wall-clock timeout enforced by the
+  parent, and the tmpfs size for all files together.
+* **Cleanup of every process**: after the main process exits or times out, the parent SIGKILLs the
+  run's process group and every process of the run's uid until none is left (the pid namespace
+  already took care of all of them when its init ended).
 
-What holds depends on who runs the parent:
-
-* **Root** (``drop_privileges=True``, the default): the child switches to a fresh uid/gid, different for
-  every concurrent run, after entering the namespace, with ``no_new_privs`` set. The kernel then refuses
-  writes anywhere but the working directory and world-writable places (/tmp, /var/tmp, /dev/shm, where
-  only the Python guard stands in the way), refuses raising the limits back, enforces RLIMIT_NPROC
-  (counted for that uid alone, so ``max_processes`` is exact), and keeps the run from signalling other
-  processes; set-uid binaries grant nothing. If the interpreter's
-  files are unreadable to other users (a Python under a 0700 /root), CAP_DAC_READ_SEARCH is kept so that
-  imports work: the code can then *read* any file, but writing is still checked as the unprivileged uid.
-* **Root without the uid switch**: the kernel ignores RLIMIT_NPROC for root and root may raise its
-  limits again; only the process-group kill, the wall timeout and the Python guards remain.
-* **Not root**: RLIMIT_NPROC counts all processes of the user, so the child allows the user's current
-  count plus ``max_processes``, shared with everything else that user runs; writes are limited by file
-  permissions (anything the user may write stays writable to ctypes/``_io`` code), and cleanup finds
-  processes by process group only (one that leaves it through ctypes ``setsid()`` survives).
-
-The write guard on ``open``/``os.open``/``os.remove``/... and the ban on ``os.setsid`` are Python-level
-monkey-patches, **not a security boundary**: they turn ordinary mistakes into clear PermissionErrors. The
-boundaries are the process, the limits, the uid switch and the namespace. Total disk use is bounded only
-by ``max_file_bytes`` per file and the wall time; put ``work_root`` on a small filesystem if that matters.
+What it does not do: no seccomp filter, so the whole kernel system-call surface stays reachable
+(a kernel bug is an escape); the read-only views of /usr and the interpreter are readable (nothing
+secret should live there); /proc still shows host-wide information such as the CPU, memory and kernel
+command line; memory and CPU are per-process limits, not a cgroup for the run. If the namespaces cannot
+be created (not root and user namespaces disabled, or a container without CAP_SYS_ADMIN) the run fails
+closed with ``killed_reason="sandbox setup failed"`` and a message saying why; nothing runs
+half-contained. ``drop_privileges=False`` (root only) runs the code as uid 0 without capabilities:
+RLIMIT_NPROC then does not apply (a Python-level process count stands in) and files of root on the
+read-only views stay readable to it.
 """
 
 from __future__ import annotations
@@ -73,9 +78,10 @@ class SandboxLimits:
     max_output_bytes: int = 4096  # per stream
     max_file_bytes: int = 1024 * 1024  # RLIMIT_FSIZE
     max_open_files: int = 256
+    max_disk_mb: int = 64  # all files the code writes (/sandbox, /tmp, /var/tmp, /dev/shm), in memory
     use_network_namespace: bool = True  # False: only the Python-level socket stubs
     drop_privileges: bool = True  # as root, run the code under a fresh unprivileged uid
-    import_site_packages: bool = False  # let the code import the interpreter's installed packages
+    import_site_packages: bool = False  # let the code import (and read) the interpreter's import path
 
 
 @dataclass
@@ -142,24 +148,28 @@ async def run_python(
 
 async def _run_contained(code: str, limits: SandboxLimits, work_root: str | None) -> SandboxResult:
     loop = asyncio.get_running_loop()
+    source = code.encode("utf-8")  # a lone surrogate raises here: a sandbox error, nothing runs
+    if len(source) > limits.max_file_bytes:
+        raise ValueError(f"the code is {len(source)} bytes, more than max_file_bytes={limits.max_file_bytes}")
+    # The host directory only carries main.py and the two mount points; the code never sees it.
     workdir = os.path.realpath(tempfile.mkdtemp(prefix="sandbox-", dir=work_root))
     uid = _allocate_uid() if limits.drop_privileges and os.geteuid() == 0 else None
     status_read = status_write = transport = pgid = None
     swept = all_killed = False
     try:
-        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as source_file:
-            source_file.write(code)
-        if uid is not None:
-            os.chown(workdir, uid, uid)
+        with open(os.path.join(workdir, "main.py"), "wb") as source_file:
+            source_file.write(source)
+        for mount_point in ("root", "scratch"):
+            os.mkdir(os.path.join(workdir, mount_point), 0o700)
         status_read, status_write = os.pipe()
         transport, capture = await loop.subprocess_exec(
             lambda: _CaptureProtocol(limits.max_output_bytes, loop),
-            *_child_command(limits, uid, status_write),
+            *_child_command(limits, workdir, uid, status_write),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             cwd=workdir,
-            env=_minimal_environment(workdir),
+            env=_minimal_environment(),
             start_new_session=True,
             pass_fds=(status_write,),
         )
@@ -193,9 +203,10 @@ async def _run_contained(code: str, limits: SandboxLimits, work_root: str | None
         await asyncio.shield(asyncio.to_thread(_remove_tree, workdir))
 
 
-def _child_command(limits: SandboxLimits, uid: int | None, status_fd: int) -> list[str]:
+def _child_command(limits: SandboxLimits, workdir: str, uid: int | None, status_fd: int) -> list[str]:
     config = {
         "source": "main.py",
+        "host_dir": workdir,
         "uid": uid,
         "status_fd": status_fd,
         "network_namespace": limits.use_network_namespace,
@@ -204,14 +215,17 @@ def _child_command(limits: SandboxLimits, uid: int | None, status_fd: int) -> li
         "max_processes": int(limits.max_processes),
         "max_file_bytes": int(limits.max_file_bytes),
         "max_open_files": int(limits.max_open_files),
+        "disk_mb": max(1, int(limits.max_disk_mb)),
+        "site_packages": bool(limits.import_site_packages),
     }
     flags = ["-I", "-B", "-X", "utf8"] + ([] if limits.import_site_packages else ["-S"])
     return [sys.executable, *flags, CHILD_SCRIPT, json.dumps(config)]
 
 
-def _minimal_environment(workdir: str) -> dict[str, str]:
+def _minimal_environment() -> dict[str, str]:
+    """The code's environment; the paths are inside the sandbox's own filesystem."""
     locale = {"LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", **locale, "HOME": workdir, "TMPDIR": workdir}
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", **locale, "HOME": "/sandbox", "TMPDIR": "/tmp"}
 
 
 def _allocate_uid() -> int:

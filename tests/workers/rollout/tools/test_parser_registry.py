@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from hybridflow.workers.rollout.tools.parser import (
     ParseError,
     ToolCall,
     get_tool_call_parser,
+    short_repr,
 )
 from hybridflow.workers.rollout.tools.registry import (
     VERL_CLASS_ALIASES,
@@ -138,6 +140,60 @@ def test_hermes_never_raises_on_odd_input():
             assert len(errors) == 1  # an empty or unterminated block is reported, not dropped
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<tool_call>" * 100_000,  # no closing tag: took > 300 s with the old regex scan
+        "<tool_call></tool_call>" * 100_000,
+        '<tool_call>{"name": "f"}</tool_call>' * 100_000,
+        "<tool_call>" + "[" * 900_000 + "</tool_call>",
+        "x" * 5_000_000 + "<tool_call>",
+    ],
+)
+def test_hermes_parsing_is_linear_with_a_size_cap(text):
+    started = time.perf_counter()
+    content, calls, errors = HermesParser().parse(text)
+    assert time.perf_counter() - started < 0.5
+    assert len(calls) <= HermesParser.max_calls and 1 <= len(errors) <= HermesParser.max_calls + 2
+
+
+def test_hermes_caps_say_what_was_not_read():
+    class Small(HermesParser):
+        max_chars, max_calls = 200, 2
+
+    three = block({"name": "a"}) * 3
+    content, calls, errors = Small().parse(three)
+    assert calls == [ToolCall("a", {})] * 2 and content == ""
+    assert [e.message for e in errors] == ["more than 2 tool calls in one message: the last 1 were not read"]
+    content, calls, errors = Small().parse("x" * 300 + block({"name": "late"}))
+    assert calls == [] and content.startswith("x" * 300)
+    assert errors[0].message.endswith("tool calls after its first 200 characters are not read")
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ('{"name": "f", "arguments": {"a": ' + "1" * 5000 + "}}", "Exceeds the limit (4300 digits)"),
+        ('{"name": "f", "arguments": ' + "[" * 100_000 + "}", "not valid JSON"),
+        ('{"name": "f", "arguments": "' + "{" * 5000 + '"}', "not valid JSON"),
+    ],
+)
+def test_hermes_hostile_json_is_an_error_not_an_exception(body, message):
+    _, calls, errors = HermesParser().parse(f"<tool_call>{body}</tool_call>")
+    assert calls == [] and len(errors) == 1 and message in errors[0].message
+
+
+def test_odd_names_parse_exactly_and_print_safely():
+    names = ["\udc80", "\x00", "../../etc/passwd", "\udc00\ud800", "n" * 1000]  # reversed pair: two lone ones
+    text = "".join(f'<tool_call>{{"name": {json.dumps(name)}}}</tool_call>' for name in names)
+    _, calls, errors = HermesParser().parse(text)
+    assert [c.name for c in calls] == names and errors == []
+    shown = [short_repr(name) for name in names]
+    assert shown[:4] == ["'\\udc80'", "'\\x00'", "'../../etc/passwd'", "'\\udc00\\ud800'"]
+    assert shown[4] == "'" + "n" * 64 + "'... (1000 characters)"
+    assert all(s.isascii() for s in shown)
+
+
 def test_unknown_format_lists_registered():
     assert "hermes" in TOOL_CALL_PARSERS
     with pytest.raises(RegistryError, match="hermes") as info:
@@ -251,14 +307,14 @@ def test_gsm8k_tool_flow():
         assert iid == "s1"
 
         wrong_text, wrong_step, metrics = await tool.execute(iid, {"answer": "71"})
-        expected_wrong = compute_score("openai/gsm8k", "#### 71", "72", method="flexible")
+        expected_wrong = compute_score("#### 71", "72", method="flexible")
         assert expected_wrong == 0.0 and metrics == {}
         assert wrong_text == f"Current parsed answer='71' reward={expected_wrong}"
         assert wrong_step == -0.05  # 0.0 does not beat the initial 0.0
         assert await tool.calc_reward(iid) == expected_wrong
 
         right_text, right_step, _ = await tool.execute(iid, {"answer": 72})  # coerced to "72"
-        expected_right = compute_score("openai/gsm8k", "#### 72", "72", method="flexible")
+        expected_right = compute_score("#### 72", "72", method="flexible")
         assert expected_right == 1.0
         assert right_text == f"Current parsed answer='72' reward={expected_right}"
         assert right_step == 0.0
@@ -279,12 +335,13 @@ def test_gsm8k_tool_flow():
 def test_gsm8k_tool_bad_calls_return_error_text():
     async def scenario():
         tool = make_tool()
-        text, step, _ = await tool.execute("never-created", {"answer": "1"})
+        text, step, metrics = await tool.execute("never-created", {"answer": "1"})
         assert "unknown instance id 'never-created'" in text and step == 0.0
+        assert metrics == {"error": "unknown instance"}  # counted as a failed call by the agent loop
         iid = await tool.create(ground_truth="5")
         assert isinstance(iid, str) and iid
-        text, step, _ = await tool.execute(iid, {"value": "5"})
-        assert "requires the argument 'answer'" in text and step == 0.0
+        text, step, metrics = await tool.execute(iid, {"value": "5"})
+        assert "requires the argument 'answer'" in text and step == 0.0 and metrics["error"]
         text, step, _ = await tool.execute(iid, "5")
         assert text.startswith("Error") and step == 0.0
         await tool.release(iid)
