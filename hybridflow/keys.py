@@ -40,6 +40,7 @@ TOKEN_LEVEL_SCORES = "token_level_scores"
 TOKEN_LEVEL_REWARDS = "token_level_rewards"
 ADVANTAGES = "advantages"
 RETURNS = "returns"
+REWARD_BASELINES = "reward_baselines"
 
 # Non-tensor (numpy object array) fields that travel with the batch.
 UID = "uid"  # (B,) group id: responses to the same prompt share it (GRPO/RLOO grouping)
@@ -62,6 +63,7 @@ SCHEMA: dict[str, KeySpec] = {
         KeySpec(TOKEN_LEVEL_REWARDS, "(B, T_r)", "float32", "scores minus the in-reward KL penalty"),
         KeySpec(ADVANTAGES, "(B, T_r)", "float32", "advantage estimate A_t"),
         KeySpec(RETURNS, "(B, T_r)", "float32", "return targets for the critic"),
+        KeySpec(REWARD_BASELINES, "(B,)", "float32", "ReMax: reward of the prompt's greedy response"),
     )
 }
 

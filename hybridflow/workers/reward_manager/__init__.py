@@ -1,11 +1,11 @@
 """Reward managers: turn a batch of generated responses into token-level scores.
 
 A manager is called as ``manager(data: DataProto, return_dict=False)`` and returns
-``reward_tensor (B, T_r) float32`` with each sample's score on its last valid response token (or
-``{"reward_tensor", "reward_extra_info"}``). Managers are registered by name: ``naive`` (one
-scorer call per sample), ``batch`` (one call for the batch), ``dapo`` (naive + overlong penalty),
-``prime`` (parallel processes with a per-sample timeout). Build one from config with
-:func:`build_reward_manager`.
+``reward_tensor (B, T_r) float32`` with each sample's score on its last generated token (the last
+position where ``response_mask == 1``), or ``{"reward_tensor", "reward_extra_info"}``. Managers are
+registered by name: ``naive`` (one scorer call per sample), ``batch`` (one call for the batch),
+``dapo`` (naive + overlong penalty), ``prime`` (parallel processes with a per-sample timeout). Build
+one from config with :func:`build_reward_manager`.
 """
 
 from hybridflow.workers.reward_manager import batch, dapo, naive, prime  # noqa: F401  (registration)

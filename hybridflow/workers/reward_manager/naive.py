@@ -10,7 +10,8 @@ Pipeline of every manager's ``__call__(data, return_dict=False)``:
    zeroed: ``RewardScoreError``, unless ``on_score_error="zero"``), split dict results into the
    score and extra fields;
 5. ``shape_scores`` (optional per-manager adjustment, e.g. DAPO's overlong penalty);
-6. write each score on the sample's last valid response token of ``reward_tensor (B, T_r) float32``.
+6. write each score on the sample's last generated token (:func:`score_positions`) of
+   ``reward_tensor (B, T_r) float32``.
 """
 
 from __future__ import annotations
@@ -119,6 +120,21 @@ def decode_samples(data: DataProto, tokenizer, reward_fn_key: str = "data_source
         )
         for i in range(len(data))
     ]
+
+
+def score_positions(data: DataProto) -> torch.Tensor:
+    """``(B,)`` where each sample's sequence-level score goes: its last generated token, the last
+    position with ``response_mask == 1``.
+
+    Not the attended length - 1: a multi-turn response truncated inside a tool turn ends on masked
+    tool tokens, and a score there is dropped by every estimator (GAE multiplies by the mask). Without
+    a ``response_mask`` the response part of ``attention_mask`` is used. An empty response has no
+    last token: position 0 keeps its score in the tensor."""
+    mask = data.batch.get("response_mask", None)
+    if mask is None:
+        mask = data.batch["attention_mask"][:, -data.batch["responses"].shape[1] :]
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask.bool(), positions, torch.zeros_like(positions)).amax(dim=-1)
 
 
 def call_scorer(compute_score, sample: RewardSample, score_kwargs: dict) -> ScoreOutcome:
@@ -249,9 +265,9 @@ class RewardManagerBase:
         resolved = resolve_scores(samples, outcomes, self.on_score_error)
         scores, shaping_columns = self.shape_scores(samples, resolved.scores)
         reward_tensor = torch.zeros(data.batch["responses"].shape, dtype=torch.float32)
+        positions = score_positions(data).tolist()
         for sample, score in zip(samples, scores):
-            # an empty response has no last token; position 0 keeps the score in the tensor
-            reward_tensor[sample.index, max(sample.valid_response_length - 1, 0)] = score
+            reward_tensor[sample.index, positions[sample.index]] = score
         print_examples(samples, scores, self.num_examine)
         if not return_dict:
             return reward_tensor

@@ -5,7 +5,8 @@ A rollout turns a batch of left-padded prompts into prompts + responses. Input k
 ``pad_token_id``, ``do_sample``, ``validate`` (use ``val_kwargs``), ``global_steps``. Output keys:
 ``prompts`` (B, T_p), ``responses`` (B, T_r) right-padded with pad ids after EOS, ``response_mask``
 (B, T_r), ``input_ids``/``attention_mask``/``position_ids`` (B, T_p + T_r), and ``rollout_log_probs``
-(B, T_r) when the engine reports them. Responses are exactly ``rollout.response_length`` wide.
+(B, T_r) when the engine reports them. Responses are exactly ``rollout.response_length`` wide. The
+sampling temperature is not reported: training log-probs use ``rollout.temperature`` from config only.
 """
 
 from __future__ import annotations

@@ -177,12 +177,7 @@ class EngineRollout(BaseRollout):
             output = self._generate_conversations(prompts, params, eos_ids, pad_id)
         else:
             output = self._generate_single_turn(prompts, params, eos_ids, pad_id)
-        output.meta_info.update(
-            {
-                "temperature": params.temperature or 1.0,
-                "metrics": {"engine_generate": time.perf_counter() - start},
-            }
-        )
+        output.meta_info["metrics"] = {"engine_generate": time.perf_counter() - start}
         return output
 
     def _generate_single_turn(self, prompts: DataProto, params: SamplingParams, eos_ids, pad_id) -> DataProto:

@@ -2,9 +2,17 @@
 
 It runs on the actor's own module: with FSDP2 the training parameters are gathered in place for the
 duration of generation (one all-gather, not one per decode step) and resharded afterwards.
+
+It samples exactly the configured distribution (temperature, top-k, top-p; greedy when ``do_sample``
+is off). A checkpoint's ``generation_config.json`` (repetition_penalty, top_k, min_p, eos ids, ...)
+never reaches ``generate``: PPO's ratio is taken against the plain softmax the actor recomputes, so a
+hidden logits processor would make the rollout sample from another policy.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +21,7 @@ from torch import nn
 from hybridflow import keys
 from hybridflow.protocol import DataProto
 from hybridflow.workers.fsdp_utils import gathered_for_inference
+from hybridflow.workers.lora import unwrap_peft
 from hybridflow.workers.rollout.base import (
     BaseRollout,
     assemble_output,
@@ -43,27 +52,57 @@ class HFRollout(BaseRollout):
         with gathered_for_inference(self.module):
             parts = [self._generate(p, params, eos_ids, pad_id) for p in prompts.split(chunk)]
         responses = torch.cat(parts)
-        output = assemble_output(prompts, responses, eos_ids, pad_id)
-        output.meta_info.update({"temperature": params["temperature"] or 1.0})
-        return output
+        return assemble_output(prompts, responses, eos_ids, pad_id)
 
     def _generate(self, prompts: DataProto, params: dict, eos_ids: list[int], pad_id: int) -> torch.Tensor:
         input_ids = prompts.batch[keys.INPUT_IDS]
         response_length = int(self.config.response_length)
-        kwargs = {
-            "do_sample": params["do_sample"],
-            "max_new_tokens": response_length,
-            "eos_token_id": None if self.config.get("ignore_eos") else eos_ids,
-            "pad_token_id": pad_id,
-        }
-        if params["do_sample"]:
-            kwargs.update(
-                temperature=params["temperature"],
-                top_p=params["top_p"],
-                top_k=params["top_k"] if params["top_k"] > 0 else 0,
+        stop_ids = None if self.config.get("ignore_eos") else eos_ids
+        config = generation_config(params, response_length, stop_ids, pad_id)
+        with model_defaults_cleared(self.module):
+            output = self.module.generate(
+                input_ids=input_ids,
+                attention_mask=prompts.batch[keys.ATTENTION_MASK],
+                generation_config=config,
             )
-        output = self.module.generate(
-            input_ids=input_ids, attention_mask=prompts.batch[keys.ATTENTION_MASK], use_cache=True, **kwargs
-        )
         generated = output[:, input_ids.shape[1] :]
         return F.pad(generated, (0, response_length - generated.shape[1]), value=pad_id)
+
+
+def generation_config(params: dict, max_new_tokens: int, eos_ids: list[int] | None, pad_id: int):
+    """A ``GenerationConfig`` holding only our sampling settings (``params`` from
+    :func:`~hybridflow.workers.rollout.base.sampling_params`), every other logits processor explicitly
+    off. ``top_k=0`` is needed: HF's global default is 50."""
+    from transformers import GenerationConfig
+
+    sampling = {}
+    if params["do_sample"]:
+        top_k = params["top_k"] if params["top_k"] > 0 else 0
+        sampling = {"temperature": params["temperature"], "top_k": top_k, "top_p": params["top_p"]}
+    return GenerationConfig(
+        do_sample=params["do_sample"],
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_ids,
+        pad_token_id=pad_id,
+        num_beams=1,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        min_length=0,
+        use_cache=True,
+        **sampling,
+    )
+
+
+@contextlib.contextmanager
+def model_defaults_cleared(module: nn.Module) -> Iterator[None]:
+    """``generate`` fills every field our config leaves unset from ``model.generation_config`` (the
+    checkpoint's file); a blank one for the duration means unset fields get HF's neutral defaults."""
+    from transformers import GenerationConfig
+
+    model = unwrap_peft(module)
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved

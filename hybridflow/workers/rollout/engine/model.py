@@ -192,10 +192,15 @@ class EngineModel:
     @classmethod
     def from_hf_module(cls, module: nn.Module, max_positions: int, dtype=None, device=None) -> EngineModel:
         """An engine holding a copy of ``module``'s (unsharded, LoRA-merged) weights."""
+        from hybridflow.workers.rollout.engine.weight_sync import WeightLedger
+
         engine = cls.empty_like_hf_module(module, max_positions, dtype, device)
         named = [(name, tensor.detach()) for name, tensor in module.named_parameters()]
+        ledger = WeightLedger(engine)
         for name, tensor in merged_hf_weights(module, named):
-            engine.load_weight(name, tensor)
+            if ledger.accept(name, tensor):
+                engine.load_weight(name, tensor)
+        ledger.check()
         return engine
 
     def _build_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
@@ -215,6 +220,17 @@ class EngineModel:
     def weight_names(self) -> list[str]:
         """HF parameter names the engine expects, each exactly once per full sync."""
         return list(self._targets)
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF parameter name -> the full shape :meth:`load_weight` expects for it."""
+        return {
+            name: (end - start, *target.shape[1:]) for name, (target, start, end) in self._targets.items()
+        }
+
+    @property
+    def ignored_weight_names(self) -> frozenset[str]:
+        """Names a sync may send that have no place of their own (a tied ``lm_head`` is the embedding)."""
+        return frozenset({"lm_head.weight"}) if self.spec.tie_word_embeddings else frozenset()
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
         """Copy one full (unsharded) HF parameter into its place in the engine's tensors."""

@@ -7,13 +7,19 @@ gathered memory before the next unit is gathered. A LoRA actor (peft) hands over
 with the adapter merged in, under the plain HF names. A second full copy of the model never exists;
 :class:`SyncStats` reports the time and the peak extra memory, measured from the storage the
 gathered tensors actually hold.
+
+Every sync is checked (:class:`WeightLedger`): each engine weight must arrive exactly once with its
+expected shape. A missing, unknown, repeated or mis-shaped tensor raises :class:`WeightSyncError`
+naming all of them, after the last unit (so every rank finishes the same collectives first), rather
+than leaving the engine to generate from uninitialised or stale memory.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -35,6 +41,58 @@ class SyncStats:
             "perf/update_weights_peak_extra_mb": self.peak_extra_bytes / 2**20,
             "perf/update_weights_mb": self.bytes_copied / 2**20,
         }
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync did not deliver exactly the engine's tensors (the message names each one)."""
+
+
+@dataclass
+class WeightLedger:
+    """What one full sync into ``engine_model`` delivered, against what it expects
+    (:meth:`EngineModel.weight_shapes`)."""
+
+    engine_model: object
+    expected: dict[str, tuple[int, ...]] = field(init=False)
+    received: Counter = field(init=False, default_factory=Counter)
+    unknown: list[str] = field(init=False, default_factory=list)
+    mismatched: list[str] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.expected = self.engine_model.weight_shapes()
+
+    def accept(self, name: str, tensor: torch.Tensor) -> bool:
+        """Record ``name``; True when it should be copied into the engine (known, right shape)."""
+        if name in self.engine_model.ignored_weight_names:
+            return False
+        if name not in self.expected:
+            self.unknown.append(f"{name} {tuple(tensor.shape)}")
+            return False
+        self.received[name] += 1
+        if tuple(tensor.shape) != self.expected[name]:
+            self.mismatched.append(f"{name}: engine expects {self.expected[name]}, got {tuple(tensor.shape)}")
+            return False
+        return True
+
+    def problems(self) -> list[str]:
+        missing = [name for name in self.expected if self.received[name] == 0]
+        repeated = [f"{name} (x{count})" for name, count in self.received.items() if count > 1]
+        found = [("missing", missing), ("unknown to the engine", self.unknown)]
+        found += [("shape mismatch", self.mismatched), ("sent more than once", repeated)]
+        return [f"{what}: {_listed(names)}" for what, names in found if names]
+
+    def check(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise WeightSyncError(
+                "rollout weight sync: the actor's parameters do not match the engine's weights; "
+                + "; ".join(problems)
+            )
+
+
+def _listed(names: list[str], limit: int = 20) -> str:
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
 
 
 def storage_bytes(tensors) -> int:
@@ -64,19 +122,24 @@ def iter_parameter_buckets(module: nn.Module) -> Iterator[tuple[list[tuple[str, 
 
 
 def sync_weights(engine_model, module: nn.Module) -> SyncStats:
-    """Copy every (LoRA-merged) parameter of ``module`` into ``engine_model`` (see the module docstring)."""
+    """Copy every (LoRA-merged) parameter of ``module`` into ``engine_model`` (see the module
+    docstring); raises :class:`WeightSyncError` unless each engine weight arrived once, well shaped."""
     start = time.perf_counter()
     earlier: list[torch.Tensor] = []  # gathered tensors of finished buckets: their storage must be freed
     peak = copied = count = 0
+    ledger = WeightLedger(engine_model)
     with torch.no_grad():
         for bucket, gathered in iter_parameter_buckets(module):
             tensors = [tensor for _, tensor in bucket]
             if gathered:
                 peak = max(peak, storage_bytes(tensors) + storage_bytes(earlier))
             for name, tensor in merged_hf_weights(module, bucket):
+                if not ledger.accept(name, tensor):
+                    continue
                 engine_model.load_weight(name, tensor)
                 copied += tensor.numel() * tensor.element_size()
                 count += 1
             if gathered:
                 earlier.extend(tensors)
+    ledger.check()
     return SyncStats(time.perf_counter() - start, count, copied, peak)
