@@ -86,7 +86,7 @@ def summarise(records: list[dict], args: argparse.Namespace) -> dict:
     wall = sum(r["perf/time_per_step"] for r in timed)
     tokens = sum(r["perf/total_num_tokens"] for r in timed)
     phases = sorted({k for r in timed for k in r if k.startswith("timing_s/")})
-    worker_rss = max(r.get("perf/cpu_memory_used_gb", 0.0) for r in records)
+    worker_rss = max(r.get("perf/cpu_peak_rss_gb", 0.0) for r in records)
     return {
         "benchmark": "grpo_step",
         "rollout": args.rollout,

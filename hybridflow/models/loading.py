@@ -82,15 +82,16 @@ def _as_id_list(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
-def get_generation_eos_ids(path_or_tokenizer: Any) -> list[int]:
+def get_generation_eos_ids(path_or_tokenizer: Any, trust_remote_code: bool = False) -> list[int]:
     """Stop-token ids: ``generation_config.json`` ``eos_token_id``(s), then the tokenizer's eos; no repeats.
 
-    Accepts a local model directory or a tokenizer (whose ``name_or_path`` directory is searched for
-    ``generation_config.json`` when it is a local directory).
+    Accepts a local model directory (its tokenizer loaded with ``trust_remote_code``) or a tokenizer
+    (whose ``name_or_path`` directory is searched for ``generation_config.json`` when it is a local
+    directory).
     """
     if isinstance(path_or_tokenizer, (str, Path)):
         directory = _local_dir(path_or_tokenizer, "get_generation_eos_ids")
-        tokenizer = load_tokenizer(directory)
+        tokenizer = load_tokenizer(directory, trust_remote_code=trust_remote_code)
     else:
         tokenizer = path_or_tokenizer
         name = getattr(tokenizer, "name_or_path", "") or ""

@@ -25,10 +25,13 @@ def run_ppo(config: DictConfig, worker_groups=None) -> dict[str, float]:
     import torch
 
     from hybridflow.trainer.config import validate_config
+    from hybridflow.trainer.config.honesty import startup_notes
     from hybridflow.trainer.ppo.workers_setup import ensure_ray
 
     OmegaConf.resolve(config)
     validate_config(config)
+    for note in startup_notes(config):  # settings that run as something other than their name
+        print(f"hybridflow: {note}", flush=True)
     torch.set_num_threads(1)  # the driver only moves batches and does light maths
     ensure_ray(config.ray_init)
     trainer = build_trainer(config, worker_groups)
@@ -38,6 +41,19 @@ def run_ppo(config: DictConfig, worker_groups=None) -> dict[str, float]:
     finally:
         trainer.tracker.finish()
         _plot(config, trainer.tracker)
+        write_ray_timeline(config.ray_init.get("timeline_json_file"))
+
+
+def write_ray_timeline(path: str | None) -> None:
+    """``ray_init.timeline_json_file``: Ray's task timeline (chrome://tracing JSON), as verl writes it."""
+    if not path:
+        return
+    import ray
+
+    path = os.path.expanduser(str(path))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    ray.timeline(filename=path)
+    print(f"ray timeline: {path}")
 
 
 def build_trainer(config: DictConfig, worker_groups=None):
@@ -48,6 +64,7 @@ def build_trainer(config: DictConfig, worker_groups=None):
 
     tokenizer = load_tokenizer(
         os.path.expanduser(config.data.tokenizer or config.actor_rollout_ref.model.path),
+        trust_remote_code=bool(config.data.get("trust_remote_code", False)),
         custom_chat_template=config.actor_rollout_ref.model.custom_chat_template,
     )
     train_loader, val_loader = build_dataloaders(config, tokenizer)
@@ -93,8 +110,9 @@ def build_dataloaders(config: DictConfig, tokenizer):
     from hybridflow.utils.dataset import RLHFDataset, StatefulDataLoader, collate_fn
 
     data = config.data
-    train = RLHFDataset(list(_as_list(data.train_files)), tokenizer, data)
-    val = RLHFDataset(list(_as_list(data.val_files)), tokenizer, data)
+    dataset_cls = dataset_class(data.get("custom_cls")) or RLHFDataset
+    train = dataset_cls(data_files=list(_as_list(data.train_files)), tokenizer=tokenizer, config=data)
+    val = dataset_cls(data_files=list(_as_list(data.val_files)), tokenizer=tokenizer, config=data)
     train_loader = StatefulDataLoader(
         train,
         batch_size=int(data.train_batch_size),
@@ -117,6 +135,26 @@ def build_dataloaders(config: DictConfig, tokenizer):
             f"{data.train_batch_size}"
         )
     return train_loader, val_loader
+
+
+def dataset_class(custom_cls):
+    """verl's ``data.custom_cls``: class ``name`` from the Python file ``path`` (a torch ``Dataset`` built
+    as ``cls(data_files=..., tokenizer=..., config=data)`` whose items RLHFDataset's collate accepts);
+    None when no path is set."""
+    if not custom_cls or not custom_cls.get("path"):
+        return None
+    import importlib.util
+
+    from torch.utils.data import Dataset
+
+    path = os.path.expanduser(str(custom_cls.path))
+    spec = importlib.util.spec_from_file_location("hybridflow_custom_dataset", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cls = getattr(module, str(custom_cls.name), None)
+    if not (isinstance(cls, type) and issubclass(cls, Dataset)):
+        raise TypeError(f"data.custom_cls: {custom_cls.name!r} in {path} is not a torch Dataset class")
+    return cls
 
 
 def _as_list(value):

@@ -4,8 +4,9 @@ The count is verl's for Llama/Qwen2/Qwen3-style decoders (SwiGLU MLP, GQA attent
 
 - dense: ``6 * N * tokens`` with ``N = L * (3 * H * I + H * (q + k + v + o)) + 2 * V * H`` (embedding and
   LM head both counted, as verl does, even when tied);
-- attention scores: ``12 * L * sum(seqlen^2) * head_dim * heads`` (QK^T and AV, 2 FLOPs per MAC, x3 for
-  backward; no causal halving).
+- attention scores: ``6 * L * sum(seqlen^2) * head_dim * heads``: QK^T and AV are ``2 * s^2 * d`` FLOPs
+  each (2 per multiply-add) for one head, x3 for forward + backward, halved because causal attention
+  only computes the lower triangle (verl's current count).
 
 CPU peaks are the platform notes' measured matmul 2048^2 rates per core: fp32 100 GFLOP/s, bf16 420.
 """
@@ -84,7 +85,8 @@ def estimate_decoder_flops(config: Any, batch_seqlens: list[int], delta_time_s: 
     tokens = sum(batch_seqlens)
     seqlen_sq = sum(s * s for s in batch_seqlens)
     dense_flops = 6 * n_params * tokens
-    attn_flops = 12 * _cfg(config, "num_hidden_layers") * seqlen_sq * head_dim * heads
+    # (QK^T + AV) x (fwd + 2 bwd) x causal half = (2 + 2) * 3 / 2 = 6 FLOPs per (s^2 * head_dim) per head.
+    attn_flops = 6 * _cfg(config, "num_hidden_layers") * seqlen_sq * head_dim * heads
     return (dense_flops + attn_flops) / delta_time_s, n_params
 
 

@@ -8,6 +8,10 @@ Backends register by name (``@register_tracker("jsonl")``) and share one interfa
 - ``tensorboard``: scalars in ``{log_dir}/tensorboard`` (``TENSORBOARD_DIR`` overrides);
 - ``wandb``: offline unless ``WANDB_API_KEY`` is set (``WANDB_MODE`` overrides).
 
+``log_generations(samples, step)`` (verl's ``trainer.log_val_generations``) sends ``(input, output, score)``
+samples to every backend that can show them: a wandb Table (one row per step, as verl's
+ValidationGenerationsLogger), a tensorboard text panel, ``{log_dir}/val_generations.jsonl``, console lines.
+
 The default ``log_dir`` is ``outputs/{project_name}/{experiment_name}``. Heavy backends import their
 library only when selected.
 """
@@ -24,6 +28,7 @@ from typing import Any, Protocol
 __all__ = ["Tracking", "TrackerBackend", "register_tracker", "registered_trackers", "to_float"]
 
 _INSTALL_HINT = 'pip install "hybridflow[tracking]"'
+FIELDS = ("input", "output", "score")  # one logged generation sample
 
 
 class TrackerBackend(Protocol):
@@ -32,6 +37,8 @@ class TrackerBackend(Protocol):
     def log(self, data: dict[str, Any], step: int) -> None: ...
 
     def finish(self) -> None: ...
+
+    # Optional: ``log_generations(samples, step, table_name)`` with samples ``[(input, output, score), ...]``.
 
 
 _TRACKERS: dict[str, type] = {}
@@ -111,6 +118,14 @@ class ConsoleTracker:
 
         tqdm.write(self.format_line(data, step))
 
+    def log_generations(self, samples: list[tuple], step: int, table_name: str) -> None:
+        from tqdm import tqdm
+
+        lines = [f"{table_name} step:{step}"]
+        for i, (prompt, output, score) in enumerate(samples, start=1):
+            lines.append(f"  [{i}] score={_format_value(score)} input={prompt!r} output={output!r}")
+        tqdm.write("\n".join(lines))
+
     def finish(self) -> None:
         pass
 
@@ -135,6 +150,14 @@ class JsonlTracker:
         record = {"step": int(step), **self._numeric(data)}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+
+    def log_generations(self, samples: list[tuple], step: int, table_name: str) -> None:
+        """One ``{"step", "table", "input", "output", "score"}`` line per sample, appended to
+        ``{log_dir}/val_generations.jsonl``."""
+        with (self.path.parent / "val_generations.jsonl").open("a", encoding="utf-8") as f:
+            for prompt, output, score in samples:
+                record = {"step": int(step), "table": table_name, "input": prompt, "output": output}
+                f.write(json.dumps({**record, "score": to_float(score)}, ensure_ascii=False) + "\n")
 
     def finish(self) -> None:
         if not self._file.closed:
@@ -161,6 +184,15 @@ class TensorboardTracker:
         for key, value in self._numeric(data).items():
             self.writer.add_scalar(key, value, global_step=step)
 
+    def log_generations(self, samples: list[tuple], step: int, table_name: str) -> None:
+        """A markdown text panel per step (as verl's tensorboard generations logger)."""
+        blocks = [
+            f"### Sample {i}\n**Input:** {prompt}\n\n**Output:** {output}\n\n**Score:** {score}\n"
+            for i, (prompt, output, score) in enumerate(samples, start=1)
+        ]
+        self.writer.add_text(table_name, f"**Generations, step {step}**\n\n" + "\n---\n".join(blocks), step)
+        self.writer.flush()
+
     def finish(self) -> None:
         self.writer.close()
 
@@ -183,9 +215,23 @@ class WandbTracker:
             mode=os.environ.get("WANDB_MODE", default_mode),
             dir=log_dir,
         )
+        self._tables: dict[str, Any] = {}
 
     def log(self, data: dict[str, Any], step: int) -> None:
         self.run.log(data, step=step)
+
+    def log_generations(self, samples: list[tuple], step: int, table_name: str) -> None:
+        """verl's layout: columns ``step, input_1, output_1, score_1, ...``, one row per call, the whole
+        table re-logged each time (a wandb Table cannot be appended to after logging)."""
+        import wandb
+
+        columns = ["step"] + [f"{kind}_{i}" for i in range(1, len(samples) + 1) for kind in FIELDS]
+        previous = self._tables.get(table_name)
+        rows = previous.data if previous is not None and previous.columns == columns else []
+        table = wandb.Table(columns=columns, data=rows)
+        table.add_data(step, *[value for sample in samples for value in sample])
+        self.run.log({table_name: table}, step=step)
+        self._tables[table_name] = table
 
     def finish(self) -> None:
         self.run.finish()
@@ -218,6 +264,12 @@ class Tracking:
     def log(self, data: dict[str, Any], step: int) -> None:
         for backend in self.backends.values():
             backend.log(data, step)
+
+    def log_generations(self, samples: list[tuple], step: int, table_name: str = "val/generations") -> None:
+        """``samples``: ``[(input, output, score), ...]``, to every backend that shows generations."""
+        for backend in self.backends.values():
+            if hasattr(backend, "log_generations"):
+                backend.log_generations(samples, step, table_name)
 
     def finish(self) -> None:
         if self._finished:

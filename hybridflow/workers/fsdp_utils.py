@@ -15,7 +15,13 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 DTYPES = {
     "fp32": torch.float32,
@@ -70,22 +76,59 @@ def build_device_mesh(world_size: int, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (world_size,), mesh_dim_names=("fsdp",))
 
 
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard one by one: modules whose class HF lists in ``_no_split_modules``."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
+def _decoder_layers(model: nn.Module, class_names=None) -> list[nn.Module]:
+    """The repeated blocks to shard one by one: modules whose class is named in ``class_names``
+    (``wrap_policy.transformer_layer_cls_to_wrap``, as verl), else in HF's ``_no_split_modules``."""
+    if isinstance(class_names, str):
+        class_names = [class_names]
+    names = set(class_names or getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
+    if class_names and not layers:
+        raise ValueError(f"wrap_policy.transformer_layer_cls_to_wrap={sorted(names)} matches no module")
     if not layers:  # unknown architecture: fall back to the children of the largest ModuleList
         lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
         layers = list(max(lists, key=len)) if lists else []
     return layers
 
 
-def mixed_precision_policy(cfg) -> MixedPrecisionPolicy | None:
-    """``fsdp_config.mixed_precision`` ({param_dtype, reduce_dtype, ...}) → FSDP2 policy, or None.
+def resolve_mixed_precision(cfg) -> dict | None:
+    """``fsdp_config.mixed_precision`` as a dict, or None (compute in the master-weight dtype).
     ``auto`` means bf16 params with fp32 reduction where bf16 is fast (:func:`cpu_has_fast_bf16`),
     else None (fp32)."""
-    if cfg == "auto":
-        cfg = {"param_dtype": "bf16", "reduce_dtype": "fp32"} if cpu_has_fast_bf16() else None
+    if isinstance(cfg, str) and cfg == "auto":
+        return {"param_dtype": "bf16", "reduce_dtype": "fp32"} if cpu_has_fast_bf16() else None
+    return cfg or None
+
+
+def compute_dtype(fsdp_config) -> torch.dtype:
+    """The dtype the matmuls run in: the mixed-precision ``param_dtype`` when one applies, else
+    ``model_dtype`` (what the MFU peak is looked up for)."""
+    mixed = resolve_mixed_precision(fsdp_config.get("mixed_precision"))
+    if mixed:
+        return to_dtype(mixed.get("param_dtype"), torch.bfloat16)
+    return to_dtype(fsdp_config.get("model_dtype", "fp32"))
+
+
+def wants_cpu_offload(fsdp_config) -> bool:
+    """verl's ``param_offload`` / ``optimizer_offload`` / ``offload_policy``: any of them selects FSDP2's
+    ``CPUOffloadPolicy``, which keeps the sharded parameters, their gradients and so the optimizer
+    state on the CPU (the optimizer step runs there) and copies each unit to the device for compute."""
+    keys = ("param_offload", "optimizer_offload", "offload_policy")
+    return any(bool(fsdp_config.get(k, False)) for k in keys)
+
+
+def offload_policy(fsdp_config, device_type: str) -> OffloadPolicy:
+    """``CPUOffloadPolicy`` when :func:`wants_cpu_offload`, else no offload. Pinned host memory only
+    with CUDA: pinning needs an accelerator (on a CPU mesh it fails and would gain nothing)."""
+    if not wants_cpu_offload(fsdp_config):
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=device_type == "cuda")
+
+
+def mixed_precision_policy(cfg) -> MixedPrecisionPolicy | None:
+    """``fsdp_config.mixed_precision`` ({param_dtype, reduce_dtype, ...} or ``auto``, see
+    :func:`resolve_mixed_precision`) → FSDP2 policy, or None."""
+    cfg = resolve_mixed_precision(cfg)
     if not cfg:
         return None
     return MixedPrecisionPolicy(
@@ -98,12 +141,17 @@ def mixed_precision_policy(cfg) -> MixedPrecisionPolicy | None:
 
 def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, fsdp_config) -> nn.Module:
     """Shard ``model`` in place (decoder layers, then root) and return it."""
-    kwargs = {"mesh": mesh, "reshard_after_forward": bool(fsdp_config.get("reshard_after_forward", True))}
+    kwargs = {
+        "mesh": mesh,
+        "reshard_after_forward": bool(fsdp_config.get("reshard_after_forward", True)),
+        "offload_policy": offload_policy(fsdp_config, mesh.device_type),
+    }
     root_policy = mixed_precision_policy(fsdp_config.get("mixed_precision")) or MixedPrecisionPolicy()
     # Only the root casts its output (fp32 logits): a layer returning fp32 would hand the root's bf16
     # final norm and head an fp32 activation ("expected m1 and m2 to have the same dtype").
     layer_policy = dataclasses.replace(root_policy, output_dtype=None)
-    for layer in _decoder_layers(model):
+    wrap_policy = fsdp_config.get("wrap_policy") or {}
+    for layer in _decoder_layers(model, wrap_policy.get("transformer_layer_cls_to_wrap")):
         fully_shard(layer, mp_policy=layer_policy, **kwargs)
     fully_shard(model, mp_policy=root_policy, **kwargs)
     return model
@@ -154,17 +202,19 @@ def warmup_steps(optim_cfg, total_steps: int) -> int:
 
 
 def lr_lambda(kind: str, warmup: int, total: int, min_lr_ratio: float, num_cycles: float):
-    """Multiplier of the base lr at a step: linear warmup, then constant or cosine down to min_lr_ratio."""
+    """Multiplier of the base lr after ``step`` scheduler steps (0 for the first update), as verl's
+    ``get_constant_schedule_with_warmup`` / ``get_cosine_schedule_with_warmup``: linear warmup from 0
+    over ``warmup`` steps, then constant, or a cosine from 1 down to ``min_lr_ratio`` at ``total``."""
 
     def constant(step: int) -> float:
-        return min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+        return step / max(1, warmup) if step < warmup else 1.0
 
     def cosine(step: int) -> float:
-        if warmup > 0 and step < warmup:
-            return (step + 1) / warmup
+        if step < warmup:
+            return step / max(1, warmup)
         progress = (step - warmup) / max(1, total - warmup)
-        cos = 0.5 * (1.0 + math.cos(math.pi * 2.0 * num_cycles * min(progress, 1.0)))
-        return min_lr_ratio + (1.0 - min_lr_ratio) * cos
+        cos = math.cos(math.pi * num_cycles * 2.0 * progress)
+        return max(min_lr_ratio, min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + cos))
 
     schedules = {"constant": constant, "cosine": cosine}
     if kind not in schedules:
@@ -173,10 +223,21 @@ def lr_lambda(kind: str, warmup: int, total: int, min_lr_ratio: float, num_cycle
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim_cfg) -> torch.optim.lr_scheduler.LambdaLR:
-    total = int(optim_cfg.get("total_training_steps", -1))
-    if total <= 0:
-        total = 1
+    """The ``optim`` section's schedule. A cosine decay or a warmup ratio needs
+    ``total_training_steps`` (the PPO and SFT trainers fill it in); without it they would silently
+    do nothing or end at once, so that is an error."""
+    total = int(optim_cfg.get("total_training_steps", -1) or -1)
     kind = optim_cfg.get("lr_scheduler_type") or optim_cfg.get("warmup_style", "constant")
+    needs_total = kind == "cosine" or (
+        int(optim_cfg.get("lr_warmup_steps", -1) or -1) < 0
+        and float(optim_cfg.get("lr_warmup_steps_ratio", 0.0) or 0.0) > 0
+    )
+    if total <= 0 and needs_total:
+        raise ValueError(
+            f"optim.total_training_steps is {total}: a {kind} schedule with lr_warmup_steps_ratio="
+            f"{optim_cfg.get('lr_warmup_steps_ratio', 0.0)} needs the run's total number of steps"
+        )
+    total = max(total, 1)
     fn = lr_lambda(
         kind,
         warmup_steps(optim_cfg, total),

@@ -45,7 +45,9 @@ def _mean_metrics(metrics: dict[str, list]) -> dict[str, float]:
 
 
 def _memory_metrics() -> dict[str, float]:
-    metrics = {"perf/cpu_memory_used_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    # The worker process's peak resident set (ru_maxrss, KiB on Linux). Not verl's
+    # perf/cpu_memory_used_gb, which is the whole host's used memory at the time of the call.
+    metrics = {"perf/cpu_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
     if torch.cuda.is_available():
         metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
     return metrics
@@ -139,13 +141,20 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             trust_remote_code=cfg.model.get("trust_remote_code", False),
             custom_chat_template=cfg.model.get("custom_chat_template"),
         )
-        self.eos_token_ids = get_generation_eos_ids(resolve_local_path(cfg.model.path))
+        self.eos_token_ids = get_generation_eos_ids(
+            resolve_local_path(cfg.model.path), trust_remote_code=cfg.model.get("trust_remote_code", False)
+        )
         if self._is_actor:
             self.actor_parts = build_training_parts(
                 cfg.model, cfg.actor.fsdp_config, cfg.actor.optim, self.device_mesh
             )
             self.actor_module = self.actor_parts.module
-            self.actor = DataParallelPPOActor(cfg.actor, self.actor_module, self.actor_parts.optimizer)
+            self.actor = DataParallelPPOActor(
+                cfg.actor,
+                self.actor_module,
+                self.actor_parts.optimizer,
+                response_length=int(cfg.rollout.response_length),
+            )
             self.checkpoint_manager = _checkpoint_manager(
                 self.actor_parts, self.tokenizer, cfg.actor.checkpoint.save_contents, lora_enabled(cfg.model)
             )
@@ -179,10 +188,18 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         metrics = self._sync_rollout_weights()
         start = time.perf_counter()
         output = self.rollout.generate_sequences(prompts)
+        # the sampling temperature stays with the rollout: log-probs take it from config only
+        output.meta_info.pop("temperature", None)
         metrics.update(output.meta_info.pop("metrics", {}))
         metrics["generate_sequences"] = time.perf_counter() - start
         output.meta_info["metrics"] = metrics
         return output
+
+    def _use_training_temperature(self, data: DataProto) -> None:
+        """Log-probs, reference log-probs and the update all divide logits by ``rollout.temperature``
+        from config: the one source. Whatever a batch carries (a greedy validation rollout samples at
+        T = 0) is overwritten, so it can never change the training distribution."""
+        data.meta_info["temperature"] = float(self.config.rollout.temperature)
 
     def _sync_rollout_weights(self) -> dict[str, float]:
         """Hybrid engine: hand the actor's updated weights to the rollout before it generates."""
@@ -195,7 +212,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs`` and ``entropys`` (B, T_r) under the current actor weights."""
-        data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
+        self._use_training_temperature(data)
         log_probs, entropy = self.actor.compute_log_prob(data, self.config.rollout, calculate_entropy=True)
         return DataProto.from_dict(
             {keys.OLD_LOG_PROBS: log_probs, "entropys": entropy},
@@ -205,7 +222,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob`` (B, T_r) under the frozen reference policy (a LoRA actor with its adapter off)."""
-        data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
+        self._use_training_temperature(data)
         with adapter_disabled(self.ref_policy.module):
             log_probs, _ = self.ref_policy.compute_log_prob(data, self.config.ref)
         return DataProto.from_dict({keys.REF_LOG_PROB: log_probs})
@@ -214,7 +231,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:
         """One PPO update on this rank's shard; returns metrics (means over micro-batches)."""
-        data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
+        self._use_training_temperature(data)
         start = time.perf_counter()
         lr = self.actor_parts.lr_scheduler.get_last_lr()[0]
         metrics = _mean_metrics(self.actor.update_policy(data))
@@ -226,27 +243,39 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         return DataProto(meta_info={"metrics": metrics})
 
 
+def critic_batch_sizes_per_rank(cfg: DictConfig, world: int, rollout_n: int | None = None) -> DictConfig:
+    """Config batch sizes are global prompts (verl); the critic works in responses per rank. verl's
+    deprecated global micro-batch forms are split over the ranks. Edits and returns ``cfg``."""
+    with open_dict(cfg):
+        responses = int(cfg.ppo_mini_batch_size) * int(rollout_n or cfg.get("rollout_n", 1))
+        cfg.ppo_mini_batch_size = _per_rank(responses, world, "critic.ppo_mini_batch_size x rollout.n")
+        if cfg.get("ppo_micro_batch_size"):
+            cfg.ppo_micro_batch_size_per_gpu = _per_rank(
+                int(cfg.ppo_micro_batch_size), world, "critic.ppo_micro_batch_size"
+            )
+        if cfg.get("forward_micro_batch_size"):
+            cfg.forward_micro_batch_size_per_gpu = _per_rank(
+                int(cfg.forward_micro_batch_size), world, "critic.forward_micro_batch_size"
+            )
+    return cfg
+
+
 class CriticWorker(FSDPWorkerBase):
     """The value model: the LM with a one-unit token-classification head."""
 
     def __init__(self, config, rollout_n: int | None = None) -> None:
         super().__init__()
-        self.config = _own_copy(config)
-        cfg, world = self.config, self.world_size
-        with open_dict(cfg):
-            responses = int(cfg.ppo_mini_batch_size) * int(rollout_n or cfg.get("rollout_n", 1))
-            cfg.ppo_mini_batch_size = _per_rank(responses, world, "critic.ppo_mini_batch_size x rollout.n")
-            if cfg.get("ppo_micro_batch_size"):
-                cfg.ppo_micro_batch_size_per_gpu = _per_rank(
-                    int(cfg.ppo_micro_batch_size), world, "critic.ppo_micro_batch_size"
-                )
+        self.config = critic_batch_sizes_per_rank(_own_copy(config), self.world_size, rollout_n)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         from hybridflow.models.loading import load_tokenizer
 
         cfg = self.config
-        self.tokenizer = load_tokenizer(resolve_local_path(cfg.model.tokenizer_path))
+        self.tokenizer = load_tokenizer(
+            resolve_local_path(cfg.model.tokenizer_path),
+            trust_remote_code=cfg.model.get("trust_remote_code", False),
+        )
         self.critic_parts = build_training_parts(
             cfg.model, cfg.model.fsdp_config, cfg.optim, self.device_mesh, kind="token_value"
         )

@@ -112,3 +112,172 @@ def test_lora_settings_are_validated(base_overrides, tmp_path):
                 ]
             )
         )
+
+
+# ---------------------------------------------------------------- honest config (issue 12)
+# verl keys whose effect hybridflow does not deliver: any value but the delivered one is an error naming
+# the key, the value and what to do instead.
+REJECTED = [
+    ("data.use_shm=true", "data.use_shm=True is not supported"),
+    ("actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.hybrid_engine=False is not supported"),
+    ("actor_rollout_ref.model.enable_activation_offload=true", "use model.enable_gradient_checkpointing"),
+    ("actor_rollout_ref.model.use_shm=true", "model.use_shm=True is not supported"),
+    ("actor_rollout_ref.model.use_liger=true", "model.use_liger=True is not supported"),
+    ("actor_rollout_ref.model.use_fused_kernels=true", "model.use_fused_kernels=True is not supported"),
+    ("actor_rollout_ref.actor.use_torch_compile=true", "actor.use_torch_compile=True is not supported"),
+    ("actor_rollout_ref.ref.use_torch_compile=true", "ref.use_torch_compile=True is not supported"),
+    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "sequence parallelism is not implemented"),
+    ("critic.ulysses_sequence_parallel_size=2", "critic.ulysses_sequence_parallel_size=2 is not supported"),
+    ("actor_rollout_ref.actor.strategy=megatron", "actor.strategy='megatron' is not supported: only FSDP2"),
+    ("reward_model.strategy=megatron", "reward_model.strategy='megatron' is not supported"),
+    ("actor_rollout_ref.rollout.mode=async", "rollout.mode='async' is not supported"),
+    (
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "tensor-parallel generation is not implemented",
+    ),
+    ("actor_rollout_ref.rollout.enforce_eager=false", "always runs eagerly"),
+    ("actor_rollout_ref.rollout.enable_chunked_prefill=true", "prefills whole prompts"),
+    ("actor_rollout_ref.rollout.disable_log_stats=false", "rollout.disable_log_stats=False is not supported"),
+    ("reward_model.launch_reward_fn_async=true", "reward_model.launch_reward_fn_async=True"),
+    ("algorithm.use_pf_ppo=true", "PF-PPO"),
+    ("trainer.default_hdfs_dir=/hdfs/x", "there is no HDFS upload"),
+    ("trainer.del_local_ckpt_after_load=true", "a loaded checkpoint is never deleted"),
+    ("trainer.esi_redundant_time=5", "use trainer.time_budget_minutes"),
+    ("trainer.profile_steps=[1,2]", "trainer.profile_steps=[1, 2] is not supported"),
+    ("actor_rollout_ref.actor.checkpoint.load_contents=[model]", "loading a subset is not implemented"),
+    ("critic.checkpoint.load_contents=[model]", "critic.checkpoint.load_contents=['model'] differs"),
+    ("actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]", "hybridflow.model_merger"),
+    ("actor_rollout_ref.actor.fsdp_config.fsdp_size=1", "fsdp_size=1 is not supported"),
+    ("actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params=1000", "min_num_params=1000"),
+    ("+actor_rollout_ref.ref.fsdp_config.wrap_policy.policy=size", "unknown keys ['policy']"),
+    ("actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype: fp8}", "param_dtype='fp8' is not"),
+    (
+        "actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype: bf16, buffer_dtype: bf16}",
+        "buffer_dtype='bf16' is not supported",
+    ),
+    ("actor_rollout_ref.actor.fsdp_config.mixed_precision={param: bf16}", "mixed_precision.param is unknown"),
+    ("actor_rollout_ref.actor.fsdp_config.model_dtype=int4", "model_dtype='int4' is not a dtype"),
+    ("critic.rollout_n=3", "critic.rollout_n=3 must equal actor_rollout_ref.rollout.n=2"),
+    ("+actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4", "the embedded engine takes none"),
+    ("trainer.logger=[console,swanlab]", "'swanlab' is not a tracker"),
+    (
+        "data.custom_cls.path=/no/such/dataset.py",
+        "data.custom_cls.path: '/no/such/dataset.py' does not exist",
+    ),
+]
+
+
+@pytest.mark.parametrize(("override", "message"), REJECTED, ids=[o for o, _ in REJECTED])
+def test_undelivered_settings_are_rejected(base_overrides, override, message):
+    with pytest.raises(ConfigError) as info:
+        validate_config(load_config([*base_overrides, override]))
+    assert message in str(info.value)
+
+
+def test_rejections_are_listed_together(base_overrides):
+    config = load_config(
+        [*base_overrides, "actor_rollout_ref.rollout.mode=async", "trainer.del_local_ckpt_after_load=true"]
+    )
+    with pytest.raises(ConfigError) as info:
+        validate_config(config)
+    lines = str(info.value).splitlines()
+    assert lines[0] == "invalid config:"
+    assert any("rollout.mode='async'" in line for line in lines[1:])
+    assert any("del_local_ckpt_after_load=True" in line for line in lines[1:])
+
+
+# verl values whose effect is delivered here (or that verl itself ignores): they keep running.
+ACCEPTED = [
+    "actor_rollout_ref.actor.strategy=fsdp",
+    "data.return_raw_input_ids=true",
+    "data.dataloader_num_workers=4",
+    "data.filter_overlong_prompts_workers=4",
+    "data.trust_remote_code=true",
+    "actor_rollout_ref.model.trust_remote_code=true",
+    "actor_rollout_ref.model.use_remove_padding=true",
+    "actor_rollout_ref.rollout.load_format=hf",
+    "+actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=null",  # verl's unset default
+    "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+    "actor_rollout_ref.actor.fsdp_config.offload_policy=true",
+    "actor_rollout_ref.ref.fsdp_config.param_offload=true",
+    "actor_rollout_ref.actor.fsdp_config.fsdp_size=2",
+    "actor_rollout_ref.actor.fsdp_config.mixed_precision=auto",
+    "+actor_rollout_ref.actor.fsdp_config.wrap_policy.transformer_layer_cls_to_wrap=[Qwen2DecoderLayer]",
+    "actor_rollout_ref.ref.fsdp_config.model_dtype=bf16",
+    "reward_model.micro_batch_size=4",
+    "reward_model.max_length=128",
+    "trainer.ray_wait_register_center_timeout=10",
+    "trainer.log_val_generations=3",
+    "trainer.max_critic_ckpt_to_keep=2",
+    "ray_init.timeline_json_file=/tmp/timeline.json",
+]
+
+
+@pytest.mark.parametrize("override", ACCEPTED)
+def test_delivered_verl_settings_are_accepted(base_overrides, override):
+    validate_config(load_config([*base_overrides, override]))
+
+
+def test_bf16_master_weights_are_rejected_for_trained_models_only(base_overrides, tiny_model_dir):
+    with pytest.raises(ConfigError) as info:
+        validate_config(
+            load_config([*base_overrides, "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"])
+        )
+    message = str(info.value)
+    assert (
+        "actor.fsdp_config.model_dtype=bf16 would keep the trained master weights and AdamW state" in message
+    )
+    assert "mixed_precision='{param_dtype: bf16, reduce_dtype: fp32}'" in message
+    # the frozen reference follows the actor's model_dtype by default, and may be bf16 on its own
+    assert "ref.fsdp_config.model_dtype" not in message
+    # a LoRA actor trains only its adapter, which peft keeps in fp32 over the bf16 base
+    validate_config(
+        load_config(
+            [
+                *base_overrides,
+                "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16",
+                "actor_rollout_ref.model.lora_rank=8",
+            ]
+        )
+    )
+    critic = [*base_overrides, "critic.model.fsdp_config.model_dtype=bf16"]
+    validate_config(load_config(critic))  # GRPO: no critic is built, its settings do not apply
+    with pytest.raises(ConfigError, match="critic.model.fsdp_config.model_dtype=bf16 would keep"):
+        validate_config(load_config([*critic, "algorithm.adv_estimator=gae"]))
+    reward_model = [
+        *base_overrides,
+        "reward_model.enable=true",
+        f"reward_model.model.path={tiny_model_dir}",
+    ]
+    validate_config(load_config([*reward_model, "reward_model.model.fsdp_config.model_dtype=bf16"]))
+
+
+def test_startup_notes_name_the_engine_behind_vllm_and_sglang(base_overrides):
+    from hybridflow.trainer.config.honesty import startup_notes
+
+    assert startup_notes(load_config(base_overrides)) == []
+    for name in ("vllm", "sglang"):
+        notes = startup_notes(load_config([*base_overrides, f"actor_rollout_ref.rollout.name={name}"]))
+        assert len(notes) == 1 and f"rollout.name={name}" in notes[0] and "embedded engine" in notes[0]
+    notes = startup_notes(
+        load_config([*base_overrides, "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"])
+    )
+    assert len(notes) == 1 and "CPUOffloadPolicy keeps the parameters" in notes[0]
+
+
+def test_every_yaml_key_is_implemented_or_limited():
+    """Guard for new keys: a key the code never reads must be in honesty.LIMITED_VALUES or say in its YAML
+    comment what delivers it ("accepted: ..."). The keys below are read through their section."""
+    import re
+    from pathlib import Path
+
+    from hybridflow.trainer.config.honesty import LIMITED_VALUES
+
+    yaml_text = (Path(__file__).parents[2] / "hybridflow/trainer/config/ppo_trainer.yaml").read_text()
+    assert "(accepted, unused)" not in yaml_text
+    accepted = re.findall(r"^\s*(\w+):.*# accepted", yaml_text, flags=re.M)
+    assert set(accepted) >= {"return_raw_input_ids", "dataloader_num_workers", "load_format"}
+    for key in LIMITED_VALUES:
+        assert re.search(rf"^\s*{key.rsplit('.', 1)[-1]}:.*# only", yaml_text, flags=re.M), key

@@ -2,8 +2,9 @@
 
 ``ppo_trainer.yaml`` is the single source of truth for key names and defaults. A composed config
 (CLI overrides, or a user YAML that lists ``ppo_trainer`` in its defaults) is checked against it:
-unknown keys, impossible batch divisibility, missing files and unregistered algorithm names are all
-collected and reported in one :class:`ConfigError` before Ray starts.
+unknown keys, impossible batch divisibility, missing files, unregistered algorithm names and settings
+whose effect hybridflow does not deliver (:mod:`.honesty`) are all collected and reported in one
+:class:`ConfigError` before Ray starts.
 """
 
 from __future__ import annotations
@@ -68,7 +69,17 @@ def validate_config(config: DictConfig) -> None:
     problems = [
         f"unknown config key {k!r} (not in ppo_trainer.yaml)" for k in unknown_keys(config, load_schema())
     ]
-    for check in (_check_files, _check_batch_sizes, _check_names, _check_device, _check_unsupported):
+    from hybridflow.trainer.config.honesty import honesty_problems
+
+    checks = (
+        _check_files,
+        _check_batch_sizes,
+        _check_names,
+        _check_device,
+        _check_unsupported,
+        honesty_problems,
+    )
+    for check in checks:
         problems.extend(check(config))
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
@@ -93,6 +104,9 @@ def _check_files(config: DictConfig) -> list[str]:
         os.path.expanduser(config.custom_reward_function.path)
     ):
         problems.append(f"custom_reward_function.path: {config.custom_reward_function.path!r} does not exist")
+    custom_cls = config.data.custom_cls.get("path")
+    if custom_cls and not os.path.isfile(os.path.expanduser(str(custom_cls))):
+        problems.append(f"data.custom_cls.path: {custom_cls!r} does not exist")
     return problems
 
 
@@ -191,11 +205,12 @@ def device_problems(device: str) -> list[str]:
 
 def _check_unsupported(config: DictConfig) -> list[str]:
     problems = []
-    if int(config.actor_rollout_ref.actor.ulysses_sequence_parallel_size) != 1:
-        problems.append(
-            "actor.ulysses_sequence_parallel_size must be 1 (sequence parallelism is not implemented)"
-        )
     rollout = config.actor_rollout_ref.rollout
+    if int(rollout.log_prob_parity_check_freq) < 1:
+        problems.append(
+            f"rollout.log_prob_parity_check_freq must be >= 1 (steps between parity checks of "
+            f"use_rollout_log_probs), got {rollout.log_prob_parity_check_freq}"
+        )
     if rollout.multi_turn.enable:
         if rollout.name not in ("engine", "vllm", "sglang"):
             problems.append(

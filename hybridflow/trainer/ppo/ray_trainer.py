@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ from hybridflow.algorithms import (
     compute_advantage,
     get_kl_controller,
 )
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import AUTO_PADDING_KEY, DataProto
 from hybridflow.trainer.ppo import metric_utils
 from hybridflow.trainer.ppo.checkpointing import TrainerCheckpointer
 from hybridflow.trainer.ppo.dynamic_sampling import GroupFilter
@@ -37,6 +38,8 @@ from hybridflow.utils.torch_functional import masked_mean
 
 # Estimators that read the critic's values; the critic is built only when one of them is selected.
 ESTIMATORS_NEEDING_VALUES = frozenset({"gae"})
+# Estimators whose baseline is the reward of a greedy response to the same prompt (``reward_baselines``).
+ESTIMATORS_NEEDING_GREEDY_BASELINE = frozenset({"remax"})
 
 
 def need_critic(config: DictConfig) -> bool:
@@ -77,11 +80,14 @@ class RayPPOTrainer:
             GroupFilter(config.algorithm.filter_groups) if config.algorithm.filter_groups.enable else None
         )
         self.total_training_steps = total_training_steps(config, len(train_dataloader))
+        set_optim_total_steps(config, self.total_training_steps)
         self.global_steps = 0
         self.wg = worker_groups
         self.checkpointer = TrainerCheckpointer(config.trainer)
-        # rollout.use_rollout_log_probs: becomes true once the engine's log-probs matched a recompute
-        self.rollout_log_probs_verified = False
+        self.reward_extra_keys: set[str] = set()  # per-sample reward extras seen (for generation dumps)
+        self.use_greedy_baseline = config.algorithm.adv_estimator in ESTIMATORS_NEEDING_GREEDY_BASELINE
+        # rollout.use_rollout_log_probs: whether (and when) the engine's log-probs last matched a recompute
+        self.log_prob_parity = LogProbParity()
 
     # ------------------------------------------------------------------ setup
     def init_workers(self) -> None:
@@ -150,6 +156,7 @@ class RayPPOTrainer:
             if self.global_steps > self.config.trainer.critic_warmup:
                 with marked_timer("update_actor", timing):
                     metrics.update(self.update_actor(batch))
+        self.dump_rollouts(batch)
         batch.meta_info["max_prompt_length"] = int(self.config.data.max_prompt_length)
         metrics.update(metric_utils.compute_data_metrics(batch, use_critic=self.use_critic))
         metrics.update(metric_utils.compute_timing_metrics(batch, timing))
@@ -162,22 +169,46 @@ class RayPPOTrainer:
     def collect_rollouts(self, data_iter, metrics: dict, timing: dict) -> DataProto:
         """Generate ``rollout.n`` responses per prompt and score them. With DAPO dynamic sampling,
         keep generating until enough prompt groups have non-zero reward variance."""
-        batch = self.generate(next(data_iter), timing, metrics)
-        batch = self.compute_reward(batch, metrics, timing)
+        batch = self.generate_and_score(next(data_iter), metrics, timing)
         if self.group_filter is None:
             return batch
         return self.group_filter.fill(
             batch,
-            lambda: self.compute_reward(self.generate(next(data_iter), timing, metrics), metrics, timing),
+            lambda: self.generate_and_score(next(data_iter), metrics, timing),
             self.config.data.train_batch_size,
             metrics,
         )
 
+    def generate_and_score(self, prompts: DataProto, metrics: dict, timing: dict) -> DataProto:
+        """Generate and score one batch of prompts; ReMax also scores a greedy response per prompt."""
+        baselines = None
+        if self.use_greedy_baseline:
+            baselines = self.greedy_reward_baselines(prompts, timing, metrics)
+        batch = self.compute_reward(self.generate(prompts, timing, metrics), metrics, timing)
+        if baselines is not None:
+            batch.batch[keys.REWARD_BASELINES] = baselines
+        return batch
+
     def generate(self, prompts: DataProto, timing: dict, metrics: dict | None = None) -> DataProto:
-        """Prompts (B) → B x n rows of prompt + response; rows of one prompt share a ``uid``."""
+        """Prompts (B) → B x n rows of prompt + response; rows of one prompt share a ``uid``.
+        Sampling follows the rollout config (``do_sample=false``: greedy)."""
         n = int(self.config.actor_rollout_ref.rollout.n)
-        meta = {"global_steps": self.global_steps, "do_sample": True}
+        meta = {"global_steps": self.global_steps}
         return rollout_with_uids(self.wg.actor_rollout, prompts, n, meta, timing, metrics)
+
+    def greedy_reward_baselines(self, prompts: DataProto, timing: dict, metrics: dict) -> torch.Tensor:
+        """``reward_baselines`` (B x n,): the sequence reward of one greedy response per prompt
+        (ReMax, Li et al. 2023, arXiv 2310.10505; verl's ``gen_max`` step), repeated for the prompt's
+        ``n`` rows. The greedy rows are scored like the training rows (reward model, then the reward
+        function) and then dropped."""
+        with marked_timer("gen_max", timing):
+            # B prompts need not divide the workers (B x n does): pad for the dispatch
+            meta = {"global_steps": self.global_steps, "do_sample": False, AUTO_PADDING_KEY: True}
+            # a copy of the prompts: rollout_with_uids tags them with uids
+            greedy = rollout_with_uids(self.wg.actor_rollout, prompts.select(), 1, meta, timing, metrics)
+            greedy = self.compute_reward(greedy, {}, timing={})
+        baselines = greedy.batch[keys.TOKEN_LEVEL_SCORES].sum(dim=-1)
+        return baselines.repeat_interleave(int(self.config.actor_rollout_ref.rollout.n))
 
     def compute_reward(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
         """``token_level_scores`` (B, T_r): reward-model scores and/or the rule reward function."""
@@ -189,6 +220,7 @@ class RayPPOTrainer:
         for key, values in result.get("reward_extra_info", {}).items():
             if len(values) == len(batch):  # per-sample extras (acc, pred, ...) travel with the batch
                 batch.non_tensor_batch[key] = _object_array(values)
+                self.reward_extra_keys.add(key)
         return batch
 
     def balance_batch(self, batch: DataProto, metrics: dict) -> None:
@@ -199,12 +231,16 @@ class RayPPOTrainer:
         metrics.update(log_seqlen_unbalance(seqlens, parts, prefix="global_seqlen"))
 
     def compute_old_log_prob(self, batch: DataProto, metrics: dict) -> DataProto:
-        """``old_log_probs`` from a forward pass of the actor — or, with ``rollout.use_rollout_log_probs``
-        and once the engine's log-probs have matched that forward within
-        ``rollout.log_prob_parity_tolerance``, the rollout's own log-probs (one forward pass saved)."""
+        """``old_log_probs`` from a forward pass of the actor — or, with ``rollout.use_rollout_log_probs``,
+        the rollout's own log-probs (one forward pass saved) while they are trusted: they matched that
+        forward within ``rollout.log_prob_parity_tolerance`` at a check made fewer than
+        ``rollout.log_prob_parity_check_freq`` steps ago. A failed check keeps the recompute (and checks
+        again every step until a check passes)."""
         rollout_cfg = self.config.actor_rollout_ref.rollout
         rollout_log_probs = batch.batch.get(keys.ROLLOUT_LOG_PROBS, None)
-        if rollout_log_probs is not None and self.rollout_log_probs_verified:
+        use_rollout = bool(rollout_cfg.get("use_rollout_log_probs", False)) and rollout_log_probs is not None
+        check_freq = int(rollout_cfg.get("log_prob_parity_check_freq", 10))
+        if use_rollout and self.log_prob_parity.trusted(self.global_steps, check_freq):
             batch.batch[keys.OLD_LOG_PROBS] = rollout_log_probs.clone()
             return batch
         output = self.wg.actor_rollout.compute_log_prob(batch)
@@ -216,8 +252,10 @@ class RayPPOTrainer:
             parity = metric_utils.rollout_parity_metrics(rollout_log_probs, old_log_probs, response_mask)
             metrics.update(parity)
             tolerance = float(rollout_cfg.get("log_prob_parity_tolerance", 1e-5))
-            if rollout_cfg.get("use_rollout_log_probs", False):
-                self.rollout_log_probs_verified = parity["training/rollout_log_probs_diff_max"] <= tolerance
+            if use_rollout:
+                matched = parity["training/rollout_log_probs_diff_max"] <= tolerance
+                self.log_prob_parity = LogProbParity(verified=matched, checked_at=self.global_steps)
+                metrics["training/rollout_log_probs_verified"] = float(matched)
         return batch.union(output.select(batch_keys=[keys.OLD_LOG_PROBS], meta_info_keys=[]))
 
     def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
@@ -252,10 +290,11 @@ class RayPPOTrainer:
             response_mask=response_mask,
             index=batch.non_tensor_batch[keys.UID],
             values=batch.batch.get(keys.VALUES, None),
-            reward_baselines=batch.batch.get("reward_baselines", None),
+            reward_baselines=batch.batch.get(keys.REWARD_BASELINES, None),
             gamma=float(algo.gamma),
             lam=float(algo.lam),
             norm_adv_by_std_in_grpo=bool(algo.norm_adv_by_std_in_grpo),
+            config=algo,
         )
         advantages, returns = compute_advantage(algo.adv_estimator, inputs)
         batch.batch[keys.ADVANTAGES] = advantages
@@ -268,10 +307,15 @@ class RayPPOTrainer:
         return metric_utils.reduce_metrics(output.meta_info["metrics"])
 
     def update_actor(self, batch: DataProto) -> dict[str, float]:
-        batch.meta_info["global_steps"] = self.global_steps
-        batch.meta_info["temperature"] = float(self.config.actor_rollout_ref.rollout.temperature)
+        batch.meta_info["global_steps"] = self.global_steps  # the temperature: the worker's config
         output = self.wg.actor_rollout.update_actor(batch)
         return metric_utils.reduce_metrics(output.meta_info["metrics"])
+
+    def dump_rollouts(self, batch: DataProto) -> None:
+        """``trainer.rollout_data_dir``: this step's generations as ``{dir}/{step}.jsonl`` (verl's dump)."""
+        from hybridflow.trainer.ppo.generations import dump_rollouts
+
+        dump_rollouts(self, batch)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
@@ -305,6 +349,20 @@ class RayPPOTrainer:
     def _log(self, metrics: dict, step: int) -> None:
         if self.tracker is not None and metrics:
             self.tracker.log(data=metrics, step=step)
+
+
+@dataclass(frozen=True)
+class LogProbParity:
+    """``rollout.use_rollout_log_probs``: did the rollout's log-probs match the actor's recompute at
+    the last check, made at step ``checked_at`` (0: never)? Saved in the trainer checkpoint, so a
+    resumed run trusts (or re-checks) exactly when the uninterrupted one would."""
+
+    verified: bool = False
+    checked_at: int = 0
+
+    def trusted(self, step: int, check_freq: int) -> bool:
+        """Use the rollout's log-probs at ``step``: verified, and the check is not yet due again."""
+        return self.verified and step - self.checked_at < check_freq
 
 
 PROMPT_INPUT_KEYS = [keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS]
@@ -352,6 +410,13 @@ def _kl_ctrl_kwargs(kl_ctrl) -> dict:
 def out_of_time(elapsed_s: float, steps_done: int, budget_s: float) -> bool:
     """Whether one more step, as long as the mean step so far, would end past ``budget_s``."""
     return steps_done > 0 and elapsed_s + elapsed_s / steps_done > budget_s
+
+
+def set_optim_total_steps(config: DictConfig, total_steps: int) -> None:
+    """Give the actor's and critic's lr schedules the run's length (verl does the same): one scheduler
+    step per training step, so a cosine decays over the run and a warmup ratio means something."""
+    config.actor_rollout_ref.actor.optim.total_training_steps = int(total_steps)
+    config.critic.optim.total_training_steps = int(total_steps)
 
 
 def total_training_steps(config: DictConfig, batches_per_epoch: int) -> int:

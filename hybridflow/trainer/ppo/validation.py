@@ -10,6 +10,7 @@ import numpy as np
 from hybridflow import keys
 from hybridflow.protocol import AUTO_PADDING_KEY, DataProto
 from hybridflow.trainer.ppo import metric_utils
+from hybridflow.trainer.ppo.generations import decode_generations, ground_truths, report_val_generations
 
 
 def run_validation(trainer) -> dict[str, float]:
@@ -23,6 +24,7 @@ def run_validation(trainer) -> dict[str, float]:
         AUTO_PADDING_KEY: True,
     }  # the validation set need not divide the workers
     sources, uids, infos = [], [], {"reward": []}
+    texts: dict[str, list] = {"inputs": [], "outputs": [], "gts": []}  # log_val_generations, dumps
     for batch_dict in trainer.val_dataloader:
         batch = rollout_with_uids(
             trainer.wg.actor_rollout,
@@ -39,5 +41,19 @@ def run_validation(trainer) -> dict[str, float]:
         unknown = np.array(["unknown"] * len(batch), dtype=object)
         sources.extend(batch.non_tensor_batch.get(trainer.config.data.reward_fn_key, unknown).tolist())
         uids.extend(batch.non_tensor_batch[keys.UID].tolist())
+        _collect_texts(trainer, batch, texts)
     infos = {k: v for k, v in infos.items() if len(v) == len(sources)}
-    return metric_utils.process_validation_metrics(sources, uids, infos)
+    report_val_generations(trainer, texts["inputs"], texts["outputs"], texts["gts"], infos)
+    nested = metric_utils.process_validation_metrics(sources, uids, infos)
+    return metric_utils.flatten_validation_metrics(nested)  # verl's val-core/... and val-aux/... keys
+
+
+def _collect_texts(trainer, batch: DataProto, texts: dict[str, list]) -> None:
+    """Decode the batch's prompts and responses only when a generation log or dump wants them."""
+    cfg = trainer.config.trainer
+    if not (cfg.get("log_val_generations") or cfg.get("validation_data_dir")):
+        return
+    inputs, outputs = decode_generations(batch, trainer.tokenizer)
+    texts["inputs"].extend(inputs)
+    texts["outputs"].extend(outputs)
+    texts["gts"].extend(ground_truths(batch))

@@ -119,17 +119,19 @@ def build_worker_groups(config: DictConfig, use_critic: bool, use_reference: boo
 
 
 def _flops_counter(config: DictConfig):
-    """Counts actor FLOPs against the peak of one worker (configured, or known for the device)."""
+    """Counts actor FLOPs against the peak of one worker (configured, or known for the device in the
+    dtype the actor computes in: ``mixed_precision`` as resolved, ``auto`` included, else ``model_dtype``)."""
     import transformers
 
     from hybridflow.utils.flops_counter import FlopsCounter, default_peak_flops
+    from hybridflow.workers.fsdp_utils import compute_dtype
 
+    model = config.actor_rollout_ref.model
     model_config = transformers.AutoConfig.from_pretrained(
-        os.path.expanduser(config.actor_rollout_ref.model.path)
+        os.path.expanduser(model.path), trust_remote_code=bool(model.get("trust_remote_code", False))
     )
     peak = config.trainer.get("peak_flops_per_worker")
     if not peak:
-        mp = config.actor_rollout_ref.actor.fsdp_config.get("mixed_precision") or {}
-        dtype = mp.get("param_dtype", config.actor_rollout_ref.actor.fsdp_config.get("model_dtype", "fp32"))
+        dtype = compute_dtype(config.actor_rollout_ref.actor.fsdp_config)
         peak = default_peak_flops(config.trainer.device, dtype, int(config.trainer.num_threads_per_worker))
     return FlopsCounter(model_config, float(peak))

@@ -11,7 +11,8 @@ Each parquet row holds ``data_source``, ``prompt`` (a list of ``{"role", "conten
     full_prompts    str           the templated prompt (only with data.return_full_prompt)
     index, tools_kwargs, interaction_kwargs, and every other parquet column (data_source, ...)
 
-Config keys follow verl's ``data.*`` section; ``cache_dir`` is accepted and ignored (files are local).
+Config keys follow verl's ``data.*`` section; ``cache_dir`` is accepted and ignored (files are local). A file
+with an ``image_key`` / ``video_key`` column is an error: multimodal data is not supported.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ DEFAULTS: dict[str, Any] = {
     "return_raw_chat": False,
     "return_full_prompt": False,
     "reward_fn_key": "data_source",
+    "image_key": "images",
+    "video_key": "videos",
     "cache_dir": None,
 }
 
@@ -119,6 +122,7 @@ class RLHFDataset(Dataset):
         self.return_raw_chat = bool(cfg["return_raw_chat"])
         self.return_full_prompt = bool(cfg["return_full_prompt"])
         self.reward_fn_key: str = cfg["reward_fn_key"]
+        self.multimodal_keys = (cfg["image_key"], cfg["video_key"])
         if self.truncation not in TRUNCATIONS:
             raise ValueError(f"data.truncation={self.truncation!r}; choose one of {list(TRUNCATIONS)}")
         if tokenizer.pad_token_id is None:
@@ -143,6 +147,12 @@ class RLHFDataset(Dataset):
             if column not in table.column_names:
                 raise ValueError(
                     f"RLHFDataset: {path} has no required column {column!r} (columns: {table.column_names})"
+                )
+        for column in self.multimodal_keys:  # verl would feed these to a processor; never drop them silently
+            if column in table.column_names:
+                raise NotImplementedError(
+                    f"RLHFDataset: {path} has a {column!r} column (data.image_key / data.video_key): "
+                    "multimodal data is not supported; drop the column to train on the text alone"
                 )
         for row_number, row in enumerate(table.to_pylist()):
             _check_messages(row[self.prompt_key], f"{path} row {row_number} column {self.prompt_key!r}")

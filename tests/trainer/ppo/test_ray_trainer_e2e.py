@@ -159,7 +159,7 @@ def test_grpo_run_logs_finite_verl_metrics(reference_run):
         "perf/total_num_tokens",
         "perf/throughput",
         "perf/mfu/actor",
-        "perf/cpu_memory_used_gb",
+        "perf/cpu_peak_rss_gb",
         "val-core/hybridflow/arithmetic/reward/mean@1",
         "timing_s/update_weights",
         "perf/update_weights_peak_extra_mb",
@@ -303,23 +303,25 @@ def test_ppo_with_critic_runs_and_logs_value_metrics(
 
 
 def test_reward_model_scores_the_last_response_token(worker_groups, reference_run, tiny_model_dir):
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForTokenClassification
 
     rollout = reference_run["greedy"]
     rollout.meta_info = {}
     scores = worker_groups.reward_model.compute_rm_score(rollout).batch["rm_scores"]
     lengths = rollout.batch["response_mask"].sum(-1)
     torch.manual_seed(0)  # the workers seed the freshly initialised score head the same way
-    reference = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
-    reference.config.pad_token_id = 3
+    reference = AutoModelForTokenClassification.from_pretrained(tiny_model_dir, num_labels=1)
     expected = reference(
         input_ids=rollout.batch["input_ids"],
         attention_mask=rollout.batch["attention_mask"],
         position_ids=rollout.batch["position_ids"],
-    ).logits[:, 0]
-    for row, length in enumerate(lengths.tolist()):
+    ).logits[..., 0]
+    prompt_len = rollout.batch["prompts"].shape[1]
+    for row, length in enumerate(lengths.tolist()):  # single-turn: no gaps, last attended = last response
         assert scores[row].nonzero().flatten().tolist() in ([length - 1], [])
-        assert scores[row, length - 1].item() == pytest.approx(expected[row].item(), abs=1e-4)
+        assert scores[row, length - 1].item() == pytest.approx(
+            expected[row, prompt_len + length - 1].item(), abs=1e-4
+        )
 
 
 def test_multi_turn_grpo_runs_through_main_ppo_with_tools(
@@ -392,3 +394,52 @@ def test_lora_grpo_trains_the_adapter_on_two_ranks(
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     changed = [name for name, p in merged.named_parameters() if not torch.equal(p, base.get_parameter(name))]
     assert changed and all("proj" in name for name in changed)
+
+
+def test_generation_dumps_logs_timeline_and_checkpoint_limits(
+    worker_groups, tiny_model_dir, arithmetic_data, tmp_path, monkeypatch
+):
+    """trainer.rollout_data_dir / validation_data_dir (verl's {step}.jsonl), log_val_generations,
+    ray_init.timeline_json_file and max_actor/critic_ckpt_to_keep through main_ppo."""
+    monkeypatch.chdir(tmp_path)
+    config = _config(
+        tiny_model_dir,
+        arithmetic_data,
+        tmp_path,
+        **{
+            "critic.enable": False,
+            "trainer.experiment_name": "dumps",
+            "trainer.val_before_train": True,
+            "trainer.test_freq": 2,
+            "trainer.save_freq": 1,
+            "trainer.max_actor_ckpt_to_keep": 1,
+            "trainer.max_critic_ckpt_to_keep": 1,  # the shared worker groups hold a critic: it is saved
+            "trainer.log_val_generations": 2,
+            "trainer.rollout_data_dir": str(tmp_path / "rollouts"),
+            "trainer.validation_data_dir": str(tmp_path / "validation"),
+            "ray_init.timeline_json_file": str(tmp_path / "timeline.json"),
+        },
+    )
+    run_ppo(config, worker_groups=worker_groups)
+    metrics = _metrics(tmp_path / "outputs" / "hybridflow" / "dumps")
+    for step in (1, 2):  # 4 prompts x 2 responses, scored as the step's critic/score says
+        rows = [
+            json.loads(line) for line in (tmp_path / "rollouts" / f"{step}.jsonl").read_text().splitlines()
+        ]
+        assert len(rows) == 8 and all(r["step"] == step for r in rows)
+        assert {"input", "output", "gts", "score"} <= rows[0].keys() and rows[0]["input"] and rows[0]["gts"]
+        mean = sum(r["score"] for r in rows) / len(rows)
+        assert mean == pytest.approx(metrics[step]["critic/score/mean"], abs=1e-6)
+    val_key = "val-core/hybridflow/arithmetic/reward/mean@1"
+    for step in (0, 2):  # before training and at test_freq
+        rows = [
+            json.loads(line) for line in (tmp_path / "validation" / f"{step}.jsonl").read_text().splitlines()
+        ]
+        assert len(rows) == 6
+        assert sum(r["score"] for r in rows) / 6 == pytest.approx(metrics[step][val_key], abs=1e-6)
+    logged = (
+        (tmp_path / "outputs" / "hybridflow" / "dumps" / "val_generations.jsonl").read_text().splitlines()
+    )
+    assert [json.loads(line)["step"] for line in logged] == [0, 0, 2, 2]
+    assert isinstance(json.loads((tmp_path / "timeline.json").read_text()), list)
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("global_step_*")) == ["global_step_2"]

@@ -1,0 +1,287 @@
+"""Honest config: a key either works, or a value whose effect hybridflow does not deliver is an error.
+
+``ppo_trainer.yaml`` carries verl's key names so verl command lines run unchanged. Some of verl's keys
+tune machinery hybridflow does not have (vLLM's CUDA graphs, Megatron, Ulysses, HDFS, ...). Those keys
+are accepted only at the values whose effect hybridflow delivers (verl's default, or a value that does
+the same here); any other value is reported by :func:`honesty_problems` with what to do instead, so a
+setting is never silently ignored. Keys whose every value is delivered (``use_remove_padding``: padding
+is always trimmed) say so in the YAML comment and need no entry here.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+# dotted key -> (the values whose effect is delivered, why other values are refused / what to do).
+LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
+    "data.use_shm": ((False,), "there is no shared-memory copy of the data files; remove it"),
+    "actor_rollout_ref.hybrid_engine": (
+        (True,),
+        "separate (non-hybrid) rollout workers are not implemented: the actor's processes generate",
+    ),
+    "actor_rollout_ref.model.enable_activation_offload": (
+        (False,),
+        "activation offload is not implemented; use model.enable_gradient_checkpointing=true to save "
+        "activation memory",
+    ),
+    "actor_rollout_ref.model.use_shm": ((False,), "models load from their local directory; remove it"),
+    "actor_rollout_ref.model.use_liger": ((False,), "Liger kernels are not used here; remove it"),
+    "actor_rollout_ref.model.use_fused_kernels": ((False,), "fused kernels are not used here; remove it"),
+    "actor_rollout_ref.actor.use_torch_compile": ((False,), "nothing is torch.compile'd here; set false"),
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": (
+        (1,),
+        "sequence parallelism is not implemented; set 1",
+    ),
+    "actor_rollout_ref.ref.use_torch_compile": ((False,), "nothing is torch.compile'd here; set false"),
+    "actor_rollout_ref.rollout.mode": (
+        ("sync",),
+        "the async (agent-loop server) rollout is not implemented; multi-turn tool use runs in sync mode "
+        "(rollout.multi_turn.enable=true)",
+    ),
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": (
+        (1,),
+        "tensor-parallel generation is not implemented: every worker generates with the whole model",
+    ),
+    "actor_rollout_ref.rollout.enforce_eager": (
+        (True,),
+        "the embedded engine always runs eagerly (no CUDA graphs); remove the override",
+    ),
+    "actor_rollout_ref.rollout.enable_chunked_prefill": (
+        (False,),
+        "the embedded engine prefills whole prompts, batched up to rollout.max_num_batched_tokens",
+    ),
+    "actor_rollout_ref.rollout.disable_log_stats": (
+        (True,),
+        "the engine logs no periodic stats; its timings are in the step metrics (timing_s/gen, ...)",
+    ),
+    "critic.ulysses_sequence_parallel_size": ((1,), "sequence parallelism is not implemented; set 1"),
+    "reward_model.launch_reward_fn_async": (
+        (False,),
+        "the reward function runs in the driver between generation and the log-prob pass; set false",
+    ),
+    "algorithm.use_pf_ppo": ((False,), "PF-PPO (reweighted replay) is not implemented; set false"),
+    "trainer.default_hdfs_dir": (
+        (None,),
+        "there is no HDFS upload; checkpoints stay in trainer.default_local_dir",
+    ),
+    "trainer.del_local_ckpt_after_load": (
+        (False,),
+        "there is no remote copy to fall back on, so a loaded checkpoint is never deleted; use "
+        "trainer.max_actor_ckpt_to_keep / max_critic_ckpt_to_keep to bound disk use",
+    ),
+    "trainer.esi_redundant_time": (
+        (0,),
+        "ESI expiry handling is not implemented; use trainer.time_budget_minutes to stop (validated and "
+        "saved) in time",
+    ),
+    "trainer.profile_steps": (
+        (None,),
+        "the profiler hooks are not implemented; per-phase timings are logged",
+    ),
+}
+
+FSDP_STRATEGIES = ("fsdp", "fsdp2")  # both are FSDP2 (fully_shard) here
+STRATEGY_KEYS = (
+    "actor_rollout_ref.actor.strategy",
+    "actor_rollout_ref.ref.strategy",
+    "critic.strategy",
+    "reward_model.strategy",
+)
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra")
+MIXED_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "output_dtype", "buffer_dtype")
+WRAP_POLICY_KEYS = ("min_num_params", "transformer_layer_cls_to_wrap")
+
+
+def _value(config: DictConfig, key: str):
+    value = OmegaConf.select(config, key, throw_on_missing=False)
+    return (
+        OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
+    )
+
+
+def _limited_value_problems(config: DictConfig) -> list[str]:
+    problems = []
+    for key, (accepted, why) in LIMITED_VALUES.items():
+        value = _value(config, key)
+        if value not in accepted and not (value == [] and None in accepted):
+            problems.append(f"{key}={value!r} is not supported ({why})")
+    for key in STRATEGY_KEYS:
+        value = _value(config, key)
+        if value not in FSDP_STRATEGIES:
+            problems.append(
+                f"{key}={value!r} is not supported: only FSDP2 is implemented (fsdp and fsdp2 both mean "
+                "fully_shard here); set fsdp2"
+            )
+    return problems
+
+
+def _checkpoint_problems(config: DictConfig, section: str) -> list[str]:
+    save = _value(config, f"{section}.checkpoint.save_contents") or []
+    load = _value(config, f"{section}.checkpoint.load_contents") or []
+    problems = []
+    for key, contents in (("save_contents", save), ("load_contents", load)):
+        unknown = [c for c in contents if c not in CHECKPOINT_CONTENTS]
+        if unknown:
+            hint = (
+                " (export an HF model with python -m hybridflow.model_merger)"
+                if "hf_model" in unknown
+                else ""
+            )
+            problems.append(
+                f"{section}.checkpoint.{key}: {unknown} not supported; use a subset of "
+                f"{list(CHECKPOINT_CONTENTS)}{hint}"
+            )
+    if set(load) != set(save):
+        problems.append(
+            f"{section}.checkpoint.load_contents={load} differs from save_contents={save}: a resume loads "
+            "what save_contents names; loading a subset is not implemented"
+        )
+    return problems
+
+
+def _fsdp_sections(config: DictConfig) -> list[tuple[str, bool]]:
+    """(dotted fsdp_config path, trainable parameters are the model's own) for each model in use."""
+    from hybridflow.trainer.ppo.ray_trainer import need_critic
+
+    lora = int(config.actor_rollout_ref.model.get("lora_rank", 0) or 0) > 0
+    sections = [
+        # a LoRA actor trains only its adapter, which peft keeps in fp32 over a bf16 base
+        ("actor_rollout_ref.actor.fsdp_config", not lora),
+        ("actor_rollout_ref.ref.fsdp_config", False),
+    ]
+    if need_critic(config):
+        sections.append(("critic.model.fsdp_config", True))
+    if config.reward_model.enable:
+        sections.append(("reward_model.model.fsdp_config", False))
+    return sections
+
+
+def _dtype_problems(path: str, fsdp: dict, trainable: bool) -> list[str]:
+    from hybridflow.workers.fsdp_utils import DTYPES
+
+    problems = []
+    dtype = fsdp.get("model_dtype", "fp32")
+    if dtype not in DTYPES:
+        problems.append(f"{path}.model_dtype={dtype!r} is not a dtype; use one of {sorted(DTYPES)}")
+    elif trainable and DTYPES[dtype] != DTYPES["fp32"]:
+        problems.append(
+            f"{path}.model_dtype={dtype} would keep the trained master weights and AdamW state in {dtype}, "
+            "where small updates round to zero; keep model_dtype=fp32 and set "
+            f"{path}.mixed_precision='{{param_dtype: bf16, reduce_dtype: fp32}}' (or mixed_precision=auto) "
+            "for bf16 compute on fp32 master weights"
+        )
+    mixed = fsdp.get("mixed_precision")
+    if mixed is None or mixed == "auto":
+        return problems
+    if not isinstance(mixed, dict):
+        return [*problems, f"{path}.mixed_precision={mixed!r}: use null, auto or {{param_dtype: ..., ...}}"]
+    for key, value in mixed.items():
+        if key not in MIXED_PRECISION_KEYS:
+            problems.append(f"{path}.mixed_precision.{key} is unknown; known: {list(MIXED_PRECISION_KEYS)}")
+        elif value is not None and value not in DTYPES:
+            problems.append(
+                f"{path}.mixed_precision.{key}={value!r} is not a dtype; use one of {sorted(DTYPES)}"
+            )
+    if mixed.get("buffer_dtype") not in (None, "fp32", "float32"):
+        problems.append(
+            f"{path}.mixed_precision.buffer_dtype={mixed['buffer_dtype']!r} is not supported: FSDP2 leaves "
+            "buffers in the model dtype (verl's FSDP2 ignores it too); remove it"
+        )
+    return problems
+
+
+def _sharding_problems(path: str, fsdp: dict, world_size: int) -> list[str]:
+    problems = []
+    size = fsdp.get("fsdp_size", -1)
+    if size not in (-1, world_size):
+        problems.append(
+            f"{path}.fsdp_size={size} is not supported: every model is sharded over all {world_size} worker "
+            "processes (hybrid sharding is not implemented); set -1"
+        )
+    wrap = fsdp.get("wrap_policy") or {}
+    unknown = [k for k in wrap if k not in WRAP_POLICY_KEYS]
+    if unknown:
+        problems.append(f"{path}.wrap_policy: unknown keys {unknown}; known: {list(WRAP_POLICY_KEYS)}")
+    if wrap.get("min_num_params", 0):
+        problems.append(
+            f"{path}.wrap_policy.min_num_params={wrap['min_num_params']} is not supported: FSDP2 shards each "
+            "decoder layer (as verl's FSDP2 does); pick the layer classes with "
+            "wrap_policy.transformer_layer_cls_to_wrap and set min_num_params=0"
+        )
+    return problems
+
+
+def _fsdp_problems(config: DictConfig) -> list[str]:
+    world_size = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+    problems = []
+    for path, trainable in _fsdp_sections(config):
+        fsdp = _value(config, path) or {}
+        problems += _dtype_problems(path, fsdp, trainable)
+        problems += _sharding_problems(path, fsdp, world_size)
+    return problems
+
+
+def _leaves(value) -> list:
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    return [value]
+
+
+def _engine_kwargs_problems(config: DictConfig) -> list[str]:
+    """``rollout.engine_kwargs`` are vLLM/SGLang arguments: verl's unset defaults (``{vllm: {swap_space:
+    null, ...}}``, all null/false) are accepted, anything set is refused."""
+    engine_kwargs = _value(config, "actor_rollout_ref.rollout.engine_kwargs") or {}
+    if all(leaf in (None, False) for leaf in _leaves(engine_kwargs)):
+        return []
+    return [
+        f"actor_rollout_ref.rollout.engine_kwargs={engine_kwargs} is not supported: they are vLLM/SGLang "
+        "arguments and the embedded engine takes none; remove them"
+    ]
+
+
+def _trainer_problems(config: DictConfig) -> list[str]:
+    from hybridflow.utils.tracking import registered_trackers
+
+    problems = []
+    loggers = _value(config, "trainer.logger")
+    for name in [loggers] if isinstance(loggers, str) else list(loggers or []):
+        if name not in registered_trackers():
+            problems.append(f"trainer.logger: {name!r} is not a tracker; registered: {registered_trackers()}")
+    if int(config.critic.rollout_n) != int(config.actor_rollout_ref.rollout.n):
+        problems.append(
+            f"critic.rollout_n={config.critic.rollout_n} must equal actor_rollout_ref.rollout.n="
+            f"{config.actor_rollout_ref.rollout.n} (the critic's batch sizes are scaled by rollout.n)"
+        )
+    if int(config.trainer.log_val_generations or 0) < 0:
+        problems.append("trainer.log_val_generations must be >= 0")
+    custom = config.data.custom_cls
+    if custom.get("path") and not custom.get("name"):
+        problems.append("data.custom_cls.path is set but data.custom_cls.name (the class) is not")
+    return problems
+
+
+def honesty_problems(config: DictConfig) -> list[str]:
+    """Every setting whose effect hybridflow would not deliver, one line each (empty: all honest)."""
+    problems = _limited_value_problems(config)
+    for section in ("actor_rollout_ref.actor", "critic"):
+        problems += _checkpoint_problems(config, section)
+    return problems + _fsdp_problems(config) + _engine_kwargs_problems(config) + _trainer_problems(config)
+
+
+def startup_notes(config: DictConfig) -> list[str]:
+    """What the driver says once at start-up about settings that run as something else than their name."""
+    notes = []
+    name = config.actor_rollout_ref.rollout.name
+    if name in ("vllm", "sglang"):
+        notes.append(
+            f"rollout.name={name}: generating with hybridflow's embedded engine ({name!r} is an alias "
+            f"of it; {name} itself is not used)"
+        )
+    for path, _ in _fsdp_sections(config):
+        fsdp = _value(config, path) or {}
+        if fsdp.get("optimizer_offload") and not (fsdp.get("param_offload") or fsdp.get("offload_policy")):
+            notes.append(
+                f"{path}.optimizer_offload=true: FSDP2's CPUOffloadPolicy keeps the parameters, gradients "
+                "and optimizer state on the CPU (the optimizer step runs there)"
+            )
+    return notes
