@@ -6,6 +6,8 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite computes on the CPU even on a GPU host (trainer.device=cpu); CUDA tests opt in explicitly.
+os.environ.setdefault("HYBRIDFLOW_DEVICE", "cpu")
 
 import pytest  # noqa: E402
 

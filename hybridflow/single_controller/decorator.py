@@ -196,6 +196,17 @@ def _materialize(value):
     return value.get() if isinstance(value, DataProtoFuture) else value
 
 
+def _accelerator_of(worker):
+    """The worker's compute device when it is an accelerator (GPU), else None (nothing to move)."""
+    device = getattr(worker, "compute_device", None)
+    return device if device is not None and device.type != "cpu" else None
+
+
+def _to_device(value, device):
+    """A DataProto moved to ``device``; other values as they are."""
+    return value.to(device) if isinstance(value, DataProto) else value
+
+
 def register(
     dispatch_mode: DispatchMode | str | dict = Dispatch.ALL_TO_ALL,
     execute_mode: Execute = Execute.ALL,
@@ -214,7 +225,13 @@ def register(
             if materialize_futures:
                 args = tuple(_materialize(a) for a in args)
                 kwargs = {k: _materialize(v) for k, v in kwargs.items()}
-            return fn(*args, **kwargs)
+            device = _accelerator_of(args[0]) if args else None
+            if device is None:
+                return fn(*args, **kwargs)
+            # Once on entry: the worker's tensors all live on its device; the controller gets CPU data.
+            args = tuple(_to_device(a, device) for a in args)
+            kwargs = {k: _to_device(v, device) for k, v in kwargs.items()}
+            return _to_device(fn(*args, **kwargs), "cpu")
 
         setattr(inner, MAGIC_ATTR, spec)
         return inner

@@ -65,22 +65,33 @@ class Worker:
 
     @staticmethod
     def device_type() -> str:
-        """``cuda`` when a GPU is visible to this process, else ``cpu``."""
-        import torch
+        """``cpu`` or ``cuda``, as ``trainer.device`` set it for this worker (the device layer,
+        :func:`hybridflow.utils.device.device_type`)."""
+        from hybridflow.utils.device import device_type
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return device_type()
+
+    @property
+    def compute_device(self):
+        """The torch device this worker computes on; DataProto arguments of registered methods are
+        moved there on entry and their DataProto results back to the CPU (see ``@register``)."""
+        from hybridflow.utils.device import current_device
+
+        return current_device()
 
     def init_process_group(self, backend: str | None = None, timeout_s: float = 1800.0) -> str:
-        """Join the group's torch.distributed process group (idempotent). Picks nccl on CUDA, gloo on
-        CPU unless ``backend`` says otherwise; returns the backend in use."""
-        import torch
+        """Join the group's torch.distributed process group (idempotent). NCCL on CUDA (after
+        selecting this worker's GPU), gloo on CPU, unless ``backend`` says otherwise; returns the
+        backend in use."""
         import torch.distributed as dist
+
+        from hybridflow.utils.device import dist_backend, set_device
 
         if dist.is_initialized():
             return dist.get_backend()
-        backend = backend or ("nccl" if self.device_type() == "cuda" else "gloo")
-        if backend == "nccl":
-            torch.cuda.set_device(self.local_rank if torch.cuda.device_count() > 1 else 0)
+        backend = backend or dist_backend(self.device_type())
+        if self.device_type() == "cuda":
+            set_device(self.local_rank)
         dist.init_process_group(
             backend=backend,
             init_method=f"tcp://{self.master_addr}:{self.master_port}",
@@ -106,8 +117,21 @@ class Worker:
 
     # ------------------------------------------------------------------ generic remote helpers
     def process_info(self) -> dict:
-        """Facts the controller records per rank (for error messages and colocation checks)."""
-        return {"pid": os.getpid(), "host": socket.gethostname(), "rank": self.rank}
+        """Facts the controller records per rank (for error messages, colocation checks and the MFU
+        peak: the driver itself may have no GPU)."""
+        kind = self.device_type()
+        name = "cpu"
+        if kind == "cuda":
+            import torch
+
+            name = torch.cuda.get_device_name()
+        return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "rank": self.rank,
+            "device": kind,
+            "device_name": name,
+        }
 
     def execute_fn(self, fn, *args, **kwargs):
         """Run an arbitrary picklable function ``fn(worker, *args, **kwargs)`` inside this worker."""

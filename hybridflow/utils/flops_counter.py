@@ -30,9 +30,12 @@ __all__ = [
 CPU_PEAK_FLOPS_PER_CORE = {"float32": 100e9, "bfloat16": 420e9}
 
 # Dense (no sparsity) tensor-core peaks from the vendor datasheets; fp32 means TF32 matmul.
+# The most specific name that the device name contains wins (``H100 PCIe`` before ``H100``).
 GPU_PEAK_FLOPS = {
     "H200": {"bfloat16": 989e12, "float32": 494.5e12},
-    "H100": {"bfloat16": 989e12, "float32": 494.5e12},
+    "H100 PCIe": {"bfloat16": 756e12, "float32": 378e12},
+    "H100 NVL": {"bfloat16": 835e12, "float32": 417.5e12},
+    "H100": {"bfloat16": 989e12, "float32": 494.5e12},  # SXM
     "A100": {"bfloat16": 312e12, "float32": 156e12},
 }
 
@@ -112,9 +115,9 @@ def default_peak_flops(
         return CPU_PEAK_FLOPS_PER_CORE[dtype_name] * max(1, num_threads)
     if device.startswith("cuda"):
         name = device_name or torch.cuda.get_device_name()
-        for gpu, peaks in GPU_PEAK_FLOPS.items():
-            if gpu in name and dtype_name in peaks:
-                return peaks[dtype_name]
+        for gpu in sorted(GPU_PEAK_FLOPS, key=len, reverse=True):
+            if gpu in name and dtype_name in GPU_PEAK_FLOPS[gpu]:
+                return GPU_PEAK_FLOPS[gpu][dtype_name]
         raise ValueError(f"no peak FLOP/s known for GPU {name!r} ({dtype_name}); pass it as configured")
     raise ValueError(f"default_peak_flops: unsupported device {device!r}")
 

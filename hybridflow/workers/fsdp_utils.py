@@ -23,6 +23,13 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
+from hybridflow.utils.device import (  # noqa: F401  (re-exported: tests and older callers import them here)
+    FAST_BF16_CPU_FLAGS,
+    cpuinfo_flags,
+    default_compute_dtype,
+    has_fast_bf16,
+)
+
 DTYPES = {
     "fp32": torch.float32,
     "float32": torch.float32,
@@ -43,33 +50,9 @@ def to_dtype(name: str | torch.dtype | None, default: torch.dtype = torch.float3
     return DTYPES[name]
 
 
-# CPU feature flags (as /proc/cpuinfo spells them) with native bf16 matmuls. Without them (AVX2, or
-# AVX-512 without BF16) bf16 GEMMs run 4-60x slower than fp32, depending on the operand layout.
-FAST_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-
-
-def cpuinfo_flags(cpuinfo: str) -> set[str]:
-    """The feature flags listed on the ``flags`` lines of ``/proc/cpuinfo`` text (empty if none)."""
-    flags: set[str] = set()
-    for line in cpuinfo.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() == "flags":
-            flags.update(value.split())
-    return flags
-
-
 def cpu_has_fast_bf16() -> bool:
-    """Whether bf16 compute is worth choosing over fp32 on this machine: CUDA with native bf16
-    (Ampere or newer), or a CPU whose ``/proc/cpuinfo`` lists avx512_bf16 or amx_bf16. False where
-    the flags cannot be read (not Linux)."""
-    if torch.cuda.is_available():
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-    except OSError:
-        return False
-    return bool(cpuinfo_flags(text) & FAST_BF16_CPU_FLAGS)
+    """Whether this process's device computes bf16 fast (:func:`hybridflow.utils.device.has_fast_bf16`)."""
+    return has_fast_bf16()
 
 
 def build_device_mesh(world_size: int, device_type: str) -> DeviceMesh:
@@ -91,19 +74,26 @@ def _decoder_layers(model: nn.Module, class_names=None) -> list[nn.Module]:
     return layers
 
 
-def resolve_mixed_precision(cfg) -> dict | None:
-    """``fsdp_config.mixed_precision`` as a dict, or None (compute in the master-weight dtype).
-    ``auto`` means bf16 params with fp32 reduction where bf16 is fast (:func:`cpu_has_fast_bf16`),
-    else None (fp32)."""
+BF16_MIXED = {"param_dtype": "bf16", "reduce_dtype": "fp32"}
+
+
+def resolve_mixed_precision(cfg, device_type: str) -> dict | None:
+    """``fsdp_config.mixed_precision`` on ``device_type`` as a dict, or None (compute in the
+    master-weight dtype). ``null`` is the device's default (as verl: bf16 params with fp32 master
+    weights and reduction on CUDA; fp32 on CPU); ``auto`` is bf16 where the device computes it fast
+    (:func:`hybridflow.utils.device.has_fast_bf16`); a dict is used as given (``{param_dtype: fp32}``
+    keeps a CUDA run in fp32)."""
     if isinstance(cfg, str) and cfg == "auto":
-        return {"param_dtype": "bf16", "reduce_dtype": "fp32"} if cpu_has_fast_bf16() else None
-    return cfg or None
+        return dict(BF16_MIXED) if has_fast_bf16(device_type) else None
+    if not cfg:
+        return dict(BF16_MIXED) if default_compute_dtype(device_type) == torch.bfloat16 else None
+    return cfg
 
 
-def compute_dtype(fsdp_config) -> torch.dtype:
-    """The dtype the matmuls run in: the mixed-precision ``param_dtype`` when one applies, else
-    ``model_dtype`` (what the MFU peak is looked up for)."""
-    mixed = resolve_mixed_precision(fsdp_config.get("mixed_precision"))
+def compute_dtype(fsdp_config, device_type: str) -> torch.dtype:
+    """The dtype the matmuls run in on ``device_type``: the mixed-precision ``param_dtype`` when one
+    applies, else ``model_dtype`` (what the MFU peak is looked up for)."""
+    mixed = resolve_mixed_precision(fsdp_config.get("mixed_precision"), device_type)
     if mixed:
         return to_dtype(mixed.get("param_dtype"), torch.bfloat16)
     return to_dtype(fsdp_config.get("model_dtype", "fp32"))
@@ -125,10 +115,10 @@ def offload_policy(fsdp_config, device_type: str) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=device_type == "cuda")
 
 
-def mixed_precision_policy(cfg) -> MixedPrecisionPolicy | None:
-    """``fsdp_config.mixed_precision`` ({param_dtype, reduce_dtype, ...} or ``auto``, see
-    :func:`resolve_mixed_precision`) → FSDP2 policy, or None."""
-    cfg = resolve_mixed_precision(cfg)
+def mixed_precision_policy(cfg, device_type: str) -> MixedPrecisionPolicy | None:
+    """``fsdp_config.mixed_precision`` on ``device_type`` (see :func:`resolve_mixed_precision`) → FSDP2
+    policy, or None."""
+    cfg = resolve_mixed_precision(cfg, device_type)
     if not cfg:
         return None
     return MixedPrecisionPolicy(
@@ -146,7 +136,9 @@ def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, fsdp_config) -> nn.Module:
         "reshard_after_forward": bool(fsdp_config.get("reshard_after_forward", True)),
         "offload_policy": offload_policy(fsdp_config, mesh.device_type),
     }
-    root_policy = mixed_precision_policy(fsdp_config.get("mixed_precision")) or MixedPrecisionPolicy()
+    root_policy = (
+        mixed_precision_policy(fsdp_config.get("mixed_precision"), mesh.device_type) or MixedPrecisionPolicy()
+    )
     # Only the root casts its output (fp32 logits): a layer returning fp32 would hand the root's bf16
     # final norm and head an fp32 activation ("expected m1 and m2 to have the same dtype").
     layer_policy = dataclasses.replace(root_policy, output_dtype=None)

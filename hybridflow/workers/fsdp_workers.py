@@ -8,10 +8,8 @@ order), lifecycle methods are ``ONE_TO_ALL``. Each worker receives only its own 
 
 from __future__ import annotations
 
-import resource
 import time
 
-import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hybridflow import keys
@@ -45,12 +43,11 @@ def _mean_metrics(metrics: dict[str, list]) -> dict[str, float]:
 
 
 def _memory_metrics() -> dict[str, float]:
-    # The worker process's peak resident set (ru_maxrss, KiB on Linux). Not verl's
-    # perf/cpu_memory_used_gb, which is the whole host's used memory at the time of the call.
-    metrics = {"perf/cpu_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    if torch.cuda.is_available():
-        metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    return metrics
+    # perf/cpu_peak_rss_gb: the worker process's peak resident set. Not verl's perf/cpu_memory_used_gb,
+    # which is the whole host's used memory at the time of the call. On CUDA also the allocator's peaks.
+    from hybridflow.utils.device import memory_metrics
+
+    return memory_metrics()
 
 
 def _checkpoint_manager(parts, tokenizer, contents, trainable_only: bool = False):

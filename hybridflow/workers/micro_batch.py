@@ -16,10 +16,10 @@ from hybridflow.protocol import DataProto
 from hybridflow.utils.seqlen_balancing import rearrange_micro_batches_indices
 
 
-def _agreed_count(local: int) -> int:
+def _agreed_count(local: int, device: torch.device) -> int:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return local
-    count = torch.tensor([local], dtype=torch.int64)
+    count = torch.tensor([local], dtype=torch.int64, device=device)  # NCCL reduces device tensors only
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     return int(count.item())
 
@@ -41,7 +41,8 @@ def split_micro_batches(
         raise ValueError("use_dynamic_bsz needs a positive max_token_len_per_gpu")
     seqlens = data.batch[keys.ATTENTION_MASK].sum(dim=-1).tolist()
     local = len(rearrange_micro_batches_indices(seqlens, max_token_len))
-    bins = rearrange_micro_batches_indices(seqlens, max_token_len, min_num_micro_batch=_agreed_count(local))
+    agreed = _agreed_count(local, data.batch[keys.ATTENTION_MASK].device)
+    bins = rearrange_micro_batches_indices(seqlens, max_token_len, min_num_micro_batch=agreed)
     order = [i for b in bins for i in b]
     return [data.select_idxs(b) for b in bins], order
 
@@ -50,8 +51,8 @@ def restore_order(values: torch.Tensor, order: list[int] | None) -> torch.Tensor
     """Undo the regrouping of :func:`split_micro_batches` on rows of ``values`` (first dim)."""
     if order is None:
         return values
-    inverse = torch.empty(len(order), dtype=torch.long)
-    inverse[torch.tensor(order)] = torch.arange(len(order))
+    inverse = torch.empty(len(order), dtype=torch.long, device=values.device)
+    inverse[torch.tensor(order, device=values.device)] = torch.arange(len(order), device=values.device)
     return values[inverse]
 
 

@@ -39,8 +39,9 @@ def place_on_last_token(scores: torch.Tensor, attention_mask: torch.Tensor, resp
     """(B,) sequence scores → (B, T_r) float32 tensor holding each score at the row's last attended
     position of the full (B, T) sequence, cut to its last ``response_length`` columns (zero elsewhere;
     a row whose last attended token is in the prompt gets no score, as in verl)."""
-    full = torch.zeros(attention_mask.shape, dtype=torch.float32)
-    full[torch.arange(len(scores)), last_valid_positions(attention_mask)] = scores.float()
+    full = torch.zeros(attention_mask.shape, dtype=torch.float32, device=attention_mask.device)
+    rows = torch.arange(len(scores), device=attention_mask.device)
+    full[rows, last_valid_positions(attention_mask)] = scores.float().to(attention_mask.device)
     return full[:, -response_length:]
 
 

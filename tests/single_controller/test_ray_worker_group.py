@@ -46,6 +46,22 @@ def test_workers_form_a_gloo_group_with_env(dp_group):
     assert infos[0]["pid"] != infos[1]["pid"] != os.getpid()
 
 
+def test_cpu_workers_compute_on_the_cpu_and_see_no_gpu(dp_group):
+    # trainer.device=cpu on a GPU host: the pool's workers get HYBRIDFLOW_DEVICE=cpu and no visible GPU,
+    # so they pick gloo and CPU tensors (Ray does not hide GPUs from zero-GPU actors by itself).
+    envs = dp_group.execute_all(
+        "execute_fn",
+        lambda worker: (
+            os.environ.get("HYBRIDFLOW_DEVICE"),
+            os.environ.get("CUDA_VISIBLE_DEVICES"),
+            worker.device_type(),
+            str(worker.compute_device),
+        ),
+    )
+    assert envs == [("cpu", "", "cpu", "cpu")] * 2
+    assert dp_group.device_names == ["cpu", "cpu"]
+
+
 def test_dp_compute_proto_pads_shards_allreduces_and_unpads(dp_group):
     data = _batch(5)  # 5 rows over 2 ranks: padded to 6 (row 0 repeated), 3 per rank
     out = dp_group.compute(data)

@@ -88,9 +88,9 @@ def test_model_trust_remote_code_reaches_config_and_eos_loading(remote_code_dir,
     trusted = load_config(
         _overrides(remote_code_dir, arithmetic_data, "actor_rollout_ref.model.trust_remote_code=true")
     )
-    assert type(_flops_counter(trusted).config).__name__ == "CustomQwen2Config"
+    assert type(_flops_counter(trusted, ["cpu"]).config).__name__ == "CustomQwen2Config"
     with pytest.raises(ValueError, match="custom code"):
-        _flops_counter(load_config(_overrides(remote_code_dir, arithmetic_data)))
+        _flops_counter(load_config(_overrides(remote_code_dir, arithmetic_data)), ["cpu"])
     assert get_generation_eos_ids(remote_code_dir, trust_remote_code=True) == [2, 0]
     with pytest.raises(ValueError, match="custom code"):
         get_generation_eos_ids(remote_code_dir)

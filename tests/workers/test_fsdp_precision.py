@@ -125,8 +125,7 @@ def test_cpuinfo_flags_read_only_the_flags_line():
     assert cpuinfo_flags("") == set()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the answer comes from the GPU")
-def test_cpu_has_fast_bf16_agrees_with_proc_cpuinfo():
+def test_cpu_has_fast_bf16_agrees_with_proc_cpuinfo():  # HYBRIDFLOW_DEVICE=cpu: the CPU's answer
     try:
         with open("/proc/cpuinfo") as f:
             flags = cpuinfo_flags(f.read())
@@ -190,15 +189,30 @@ def test_bf16_master_weights_load_and_train(tiny_model_dir, mesh):
     assert norms and _unchanged_by_one_adamw_step(module) == norms
 
 
-def test_auto_precision_follows_the_cpu(monkeypatch):
+def test_auto_precision_follows_the_device(monkeypatch):
     from hybridflow.workers import fsdp_utils
     from hybridflow.workers.rollout import engine_rollout
 
     for fast in (True, False):
-        monkeypatch.setattr(fsdp_utils, "cpu_has_fast_bf16", lambda fast=fast: fast)
-        monkeypatch.setattr(engine_rollout, "cpu_has_fast_bf16", lambda fast=fast: fast)
-        policy = fsdp_utils.mixed_precision_policy("auto")
+        monkeypatch.setattr(fsdp_utils, "has_fast_bf16", lambda kind=None, fast=fast: fast)
+        monkeypatch.setattr(engine_rollout, "has_fast_bf16", lambda kind=None, fast=fast: fast)
+        policy = fsdp_utils.mixed_precision_policy("auto", "cpu")
         assert (policy is not None and policy.param_dtype == torch.bfloat16) == fast
-        assert engine_rollout.engine_dtype("auto") == (torch.bfloat16 if fast else torch.float32)
+        assert engine_rollout.engine_dtype("auto", "cpu") == (torch.bfloat16 if fast else torch.float32)
     with pytest.raises(ValueError, match="rollout.dtype"):
-        engine_rollout.engine_dtype("fp8")
+        engine_rollout.engine_dtype("fp8", "cpu")
+    assert cpuinfo_flags("") == set()
+
+
+def test_unset_precision_is_the_devices_default():
+    # verl's default on GPU: bf16 compute, fp32 master weights and gradient reduction; CPU stays fp32.
+    from hybridflow.workers import fsdp_utils
+    from hybridflow.workers.rollout import engine_rollout
+
+    cuda = fsdp_utils.mixed_precision_policy(None, "cuda")
+    assert cuda.param_dtype == torch.bfloat16 and cuda.reduce_dtype == torch.float32
+    assert fsdp_utils.mixed_precision_policy(None, "cpu") is None
+    fp32_on_cuda = fsdp_utils.mixed_precision_policy({"param_dtype": "fp32", "reduce_dtype": "fp32"}, "cuda")
+    assert fp32_on_cuda.param_dtype == torch.float32
+    assert engine_rollout.engine_dtype(None, "cuda") == torch.bfloat16
+    assert engine_rollout.engine_dtype(None, "cpu") == torch.float32

@@ -22,6 +22,7 @@ from ray.util.scheduling_strategies import (
 
 from hybridflow.single_controller.base import ClassWithInitArgs, ResourcePool, WorkerGroup
 from hybridflow.single_controller.worker import find_free_port
+from hybridflow.utils.device import worker_env
 
 
 class WorkerDiedError(RuntimeError):
@@ -162,6 +163,11 @@ class RayWorkerGroup(WorkerGroup):
     def worker_pids(self) -> list[int]:
         return [info["pid"] for info in self._process_info]
 
+    @property
+    def device_names(self) -> list[str]:
+        """Each rank's device as it reports it (``cpu``, or the GPU's name)."""
+        return [info.get("device_name", "cpu") for info in self._process_info]
+
     # ------------------------------------------------------------------ spawning
     def _spawn(
         self, pool: RayResourcePool, cls_with_init: RayClassWithInitArgs, num_threads: int, extra_env: dict
@@ -185,6 +191,7 @@ class RayWorkerGroup(WorkerGroup):
                     "MKL_NUM_THREADS": str(num_threads),
                     "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
                     "TOKENIZERS_PARALLELISM": "false",
+                    **worker_env("cuda" if pool.use_gpu else "cpu"),  # a CPU worker sees no GPU
                     **extra_env,
                 }
                 options = {

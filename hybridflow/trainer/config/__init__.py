@@ -188,18 +188,30 @@ def _check_plugin_names(config: DictConfig) -> list[str]:
 
 
 def _check_device(config: DictConfig) -> list[str]:
-    return device_problems(config.trainer.device)
+    trainer = config.trainer
+    # The driver can only see its own node's GPUs: check the count when every worker runs here.
+    local = int(trainer.nnodes) == 1 and str(config.ray_init.get("address", "local")) == "local"
+    workers = int(trainer.n_gpus_per_node) if local else None
+    return device_problems(str(trainer.device), workers)
 
 
-def device_problems(device: str) -> list[str]:
-    """Why ``trainer.device`` cannot be used here (empty when it can)."""
+def device_problems(device: str, local_workers: int | None = None) -> list[str]:
+    """Why ``trainer.device`` cannot be used here (empty when it can). ``local_workers``: worker
+    processes that will run on this machine (one GPU each on CUDA); None when they run elsewhere (a
+    cluster joined through Ray), where the driver's own GPUs say nothing."""
     if device not in ("cpu", "cuda"):
         return [f"trainer.device must be cpu or cuda, not {device!r}"]
-    if device == "cuda":
+    if device == "cuda" and local_workers is not None:
         import torch
 
-        if not torch.cuda.is_available():
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if visible == 0:
             return ["trainer.device=cuda but no CUDA device is visible (use trainer.device=cpu)"]
+        if local_workers > visible:
+            return [
+                f"trainer.n_gpus_per_node={local_workers} worker processes need one GPU each, but {visible} "
+                f"GPU(s) are visible here (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+            ]
     return []
 
 

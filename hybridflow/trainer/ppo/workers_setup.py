@@ -113,14 +113,16 @@ def build_worker_groups(config: DictConfig, use_critic: bool, use_reference: boo
         critic=groups.get("critic"),
         reward_model=groups.get("rm"),
         base=base,
-        flops_counter=_flops_counter(config),
+        flops_counter=_flops_counter(config, base.device_names),
         ppo_epochs=int(config.actor_rollout_ref.actor.ppo_epochs),
     )
 
 
-def _flops_counter(config: DictConfig):
-    """Counts actor FLOPs against the peak of one worker (configured, or known for the device in the
-    dtype the actor computes in: ``mixed_precision`` as resolved, ``auto`` included, else ``model_dtype``)."""
+def _flops_counter(config: DictConfig, device_names: list[str]):
+    """Counts actor FLOPs against the peak of one worker: ``trainer.peak_flops_per_worker``, else the
+    known peak of the workers' device (``device_names``, as the workers report them: the driver needs
+    no GPU) in the dtype the actor computes in (``mixed_precision`` as resolved for the device, else
+    ``model_dtype``). An unknown GPU gives no MFU (and says so once) instead of stopping start-up."""
     import transformers
 
     from hybridflow.utils.flops_counter import FlopsCounter, default_peak_flops
@@ -132,6 +134,13 @@ def _flops_counter(config: DictConfig):
     )
     peak = config.trainer.get("peak_flops_per_worker")
     if not peak:
-        dtype = compute_dtype(config.actor_rollout_ref.actor.fsdp_config)
-        peak = default_peak_flops(config.trainer.device, dtype, int(config.trainer.num_threads_per_worker))
+        device = str(config.trainer.device)
+        dtype = compute_dtype(config.actor_rollout_ref.actor.fsdp_config, device)
+        name = device_names[0] if device_names else None
+        try:
+            threads = int(config.trainer.num_threads_per_worker)
+            peak = default_peak_flops(device, dtype, threads, device_name=name)
+        except ValueError as err:
+            print(f"perf/mfu/actor is not reported: {err} (set trainer.peak_flops_per_worker)")
+            return None
     return FlopsCounter(model_config, float(peak))

@@ -91,13 +91,18 @@ def assemble_output(
     prompt_ids = prompts.batch[keys.INPUT_IDS]
     prompt_mask = prompts.batch[keys.ATTENTION_MASK]
     prompt_pos = prompts.batch[keys.POSITION_IDS]
+    device = prompt_ids.device  # generated rows may be built on the host: the output lives with the prompts
+    responses = responses.to(device)
+    response_mask = None if response_mask is None else response_mask.to(device)
+    response_attention = None if response_attention is None else response_attention.to(device)
+    rollout_log_probs = None if rollout_log_probs is None else rollout_log_probs.to(device)
     if response_mask is None:
         response_mask = get_response_mask(responses, eos_ids, dtype=prompt_mask.dtype)
         responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad_id))
     response_mask = response_mask.to(prompt_mask.dtype)
     if response_attention is None:
         response_attention = response_mask
-    steps = torch.arange(1, responses.shape[1] + 1, dtype=prompt_pos.dtype).unsqueeze(0)
+    steps = torch.arange(1, responses.shape[1] + 1, dtype=prompt_pos.dtype, device=device).unsqueeze(0)
     tensors = {
         keys.PROMPTS: prompt_ids,
         keys.RESPONSES: responses,

@@ -20,7 +20,7 @@ from torch import nn
 
 from hybridflow import keys
 from hybridflow.protocol import DataProto
-from hybridflow.workers.fsdp_utils import cpu_has_fast_bf16
+from hybridflow.utils.device import default_compute_dtype, has_fast_bf16
 from hybridflow.workers.rollout.base import (
     BaseRollout,
     assemble_output,
@@ -61,12 +61,16 @@ def available_ram_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def engine_dtype(name: str) -> torch.dtype:
-    """``rollout.dtype``: fp32 | bf16 | auto (bf16 where it is fast: :func:`cpu_has_fast_bf16`)."""
+def engine_dtype(name: str | None, device_type: str) -> torch.dtype:
+    """``rollout.dtype`` on ``device_type``: fp32 | bf16 | auto (bf16 where the device computes it
+    fast: :func:`hybridflow.utils.device.has_fast_bf16`) | null (the device's default: bf16 on CUDA,
+    as verl's vLLM; fp32 on CPU, which keeps rollout and actor log-probs equal to ~1e-6)."""
+    if name is None or name == "None":
+        return default_compute_dtype(device_type)
     if name == "auto":
-        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+        return torch.bfloat16 if has_fast_bf16(device_type) else torch.float32
     if name not in DTYPES:
-        raise ValueError(f"rollout.dtype={name!r}; use one of {sorted(DTYPES) + ['auto']}")
+        raise ValueError(f"rollout.dtype={name!r}; use one of {sorted(DTYPES) + ['auto', 'null']}")
     return DTYPES[name]
 
 
@@ -134,8 +138,11 @@ class EngineRollout(BaseRollout):
         self._agent_loop = None
         if config.get("name") in ("vllm", "sglang") and rank == 0:
             logger.warning("rollout.name=%s: using hybridflow's embedded engine instead", config.name)
-        dtype = engine_dtype(str(config.get("dtype", "fp32")))
-        self.model = EngineModel.empty_like_hf_module(module, engine_max_len(config), dtype=dtype)
+        device = _module_device(module)
+        dtype = engine_dtype(config.get("dtype"), device.type)
+        self.model = EngineModel.empty_like_hf_module(
+            module, engine_max_len(config), dtype=dtype, device=device
+        )
         self.last_sync = sync_weights(self.model, module)
         self.engine = build_llm_engine(self.model, config)
         self.free_cache = bool(config.get("free_cache_engine", True))
@@ -188,6 +195,7 @@ class EngineRollout(BaseRollout):
                 self.engine.step()
         completions = [c for r in requests for c in r.completions]
         response_length = int(self.config.response_length)
+        # rows are built on the host from the engine's token lists; assemble_output moves them once
         responses = torch.full((len(completions), response_length), pad_id, dtype=torch.long)
         log_probs = torch.zeros(len(completions), response_length, dtype=torch.float32)
         for row, completion in enumerate(completions):
@@ -217,3 +225,11 @@ class EngineRollout(BaseRollout):
             int(self.config.response_length),
             bool(self.config.get("calculate_log_probs")),
         )
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    """Where the actor's (sharded) parameters live: the engine computes there."""
+    for param in module.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        return local.device
+    return torch.device("cpu")
