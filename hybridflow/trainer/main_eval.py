@@ -14,6 +14,9 @@ as the reward managers load it — and reports, per data source (printed as JSON
   rows with at least one correct response.
 
 A scorer that raises, returns a non-number or NaN is an error naming the row and the data source.
+``custom_reward_function.reward_kwargs`` go to the custom function, or (no ``path``) to the built-in
+scorers, each receiving those its signature names; a keyword no scorer (or the custom function) takes is
+a :class:`ConfigError` before anything is scored.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def run_eval(config: DictConfig) -> dict[str, dict[str, float]]:
     extra_infos = (
         table.column("extra_info").to_pylist() if "extra_info" in table.column_names else [None] * len(table)
     )
-    score_fn = build_score_fn(config.custom_reward_function)
+    score_fn = build_score_fn(config.custom_reward_function, set(table.column(keys[1]).to_pylist()))
     scores: dict[str, list[list[float]]] = {}
     columns = [table.column(key).to_pylist() for key in keys]
     for row, (responses, data_source, reward_model) in enumerate(zip(*columns, strict=True)):
@@ -69,9 +72,11 @@ def run_eval(config: DictConfig) -> dict[str, dict[str, float]]:
 def validate_eval_config(config: DictConfig) -> None:
     """Raise :class:`ConfigError` listing every problem of a composed evaluation config."""
     from hybridflow.trainer.config import CONFIG_DIR, ConfigError, unknown_keys
+    from hybridflow.trainer.config.honesty import evaluation_problems
 
     schema = OmegaConf.load(CONFIG_DIR / "evaluation.yaml")
     problems = [f"unknown config key {k!r} (not in evaluation.yaml)" for k in unknown_keys(config, schema)]
+    problems += evaluation_problems(config)
     if not config.data.path or not os.path.isfile(os.path.expanduser(str(config.data.path))):
         problems.append(f"data.path: parquet {config.data.path!r} does not exist")
     custom = config.custom_reward_function.path
@@ -81,18 +86,38 @@ def validate_eval_config(config: DictConfig) -> None:
         raise ConfigError("invalid evaluation config:\n  - " + "\n  - ".join(problems))
 
 
-def build_score_fn(custom_reward_cfg) -> Callable:
-    """The custom reward function (with its ``reward_kwargs``) if a path is set, else the default."""
+def build_score_fn(custom_reward_cfg, data_sources: set[str]) -> Callable:
+    """The custom reward function if a path is set, else ``default_compute_score``, with
+    ``reward_kwargs`` bound. A keyword the function (or every built-in scorer of ``data_sources``) does
+    not take is a :class:`ConfigError`."""
     import functools
 
-    from hybridflow.utils.reward_score import default_compute_score
+    from hybridflow.trainer.config import ConfigError
+    from hybridflow.utils.reward_score import accepted_kwargs, default_compute_score, score_kwargs_problems
     from hybridflow.workers.reward_manager.custom import load_custom_reward_function
 
-    fn = load_custom_reward_function(custom_reward_cfg.path, custom_reward_cfg.name or "compute_score")
-    if fn is None:
-        return default_compute_score
+    name = custom_reward_cfg.name or "compute_score"
+    fn = load_custom_reward_function(custom_reward_cfg.path, name)
     kwargs = dict(custom_reward_cfg.get("reward_kwargs") or {})
+    if fn is None:
+        problems = score_kwargs_problems(kwargs, data_sources)
+        fn = default_compute_score
+    else:
+        accepted = accepted_kwargs(fn)
+        problems = [
+            f"reward kwarg {key!r} is not a parameter of {name} in {custom_reward_cfg.path} (beyond "
+            f"data_source, solution_str, ground_truth, extra_info it takes {_names(accepted)})"
+            for key in kwargs
+            if accepted is not None and key not in accepted
+        ]
+    if problems:
+        lines = [f"custom_reward_function.reward_kwargs: {problem}" for problem in problems]
+        raise ConfigError("invalid evaluation config:\n  - " + "\n  - ".join(lines))
     return functools.partial(fn, **kwargs) if kwargs else fn
+
+
+def _names(accepted: frozenset[str]) -> str:
+    return ", ".join(sorted(accepted)) or "nothing"
 
 
 def score_row(

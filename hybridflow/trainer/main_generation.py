@@ -4,7 +4,8 @@ Reads a verl-schema parquet (``data.path``), applies the model's chat template t
 ``data.prompt_key`` messages (``add_generation_prompt=True``), samples ``data.n_samples`` responses
 per prompt with the embedded engine in this process (no Ray), and writes the input table plus a
 ``responses`` column (a list of ``n_samples`` strings per row, special tokens skipped) to
-``data.output_path``. Keys are those of ``config/generation.yaml``; an unknown key is an error.
+``data.output_path``. Keys are those of ``config/generation.yaml``; an unknown key, or a value whose
+effect is not delivered here (``honesty.GENERATION_LIMITED_VALUES``), is an error.
 Score the result with ``python -m hybridflow.trainer.main_eval``.
 """
 
@@ -84,6 +85,7 @@ def run_generation(config: DictConfig) -> str:
 def validate_generation_config(config: DictConfig) -> None:
     """Raise :class:`ConfigError` listing every problem of a composed generation config."""
     from hybridflow.trainer.config import CONFIG_DIR, ConfigError, device_problems, unknown_keys
+    from hybridflow.trainer.config.honesty import generation_problems
     from hybridflow.utils.dataset.rl_dataset import TRUNCATIONS
     from hybridflow.workers.rollout.engine_rollout import DTYPES
 
@@ -130,7 +132,8 @@ def validate_generation_config(config: DictConfig) -> None:
         problems.append(
             f"rollout.name={rollout.name!r}; generation runs on the embedded engine {ENGINE_NAMES}"
         )
-    problems += device_problems(str(trainer.device))
+    problems += device_problems(str(trainer.device), local_workers=1)  # generates in this process
+    problems += generation_problems(config)  # values whose effect is not delivered here
     if problems:
         raise ConfigError("invalid generation config:\n  - " + "\n  - ".join(problems))
 
@@ -186,7 +189,7 @@ def build_engine(config: DictConfig):
     from hybridflow.workers.rollout.engine import EngineModel
     from hybridflow.workers.rollout.engine_rollout import build_llm_engine, engine_dtype, engine_max_len
 
-    dtype = engine_dtype(str(config.rollout.dtype))
+    dtype = engine_dtype(config.rollout.dtype, str(config.trainer.device))
     module = load_hf_model(config.model, "causal_lm", dtype).to(str(config.trainer.device)).eval()
     model = EngineModel.from_hf_module(module, engine_max_len(config.rollout), dtype=dtype)
     del module

@@ -1,7 +1,9 @@
 """Supervised fine-tuning driven by the single controller: ``python -m hybridflow.trainer.sft_trainer``.
 
 The same FSDP2 model-building code as the RL actor, on a Ray worker group; the result is written as
-a Hugging Face directory (``trainer.default_local_dir``) that RL then starts from.
+a Hugging Face directory (``trainer.default_local_dir``) that RL then starts from. The config
+(``config/sft_trainer.yaml``) is checked before Ray starts: an unknown key, or a value whose effect is
+not delivered (bf16 master weights, ``honesty.SFT_LIMITED_VALUES``), is a :class:`ConfigError`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ def run_sft(config: DictConfig) -> list[dict[str, float]]:
     import torch
     from tqdm import tqdm
 
-    from hybridflow.models.loading import load_tokenizer
     from hybridflow.protocol import DataProto
     from hybridflow.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
     from hybridflow.trainer.ppo.workers_setup import build_resource_pool, ensure_ray
@@ -34,10 +35,11 @@ def run_sft(config: DictConfig) -> list[dict[str, float]]:
     from hybridflow.workers.sft_worker import SFTWorker
 
     OmegaConf.resolve(config)
+    validate_sft_config(config)
     torch.set_num_threads(1)
     with open_dict(config):
         config.model.path = config.model.partial_pretrain or config.model.path
-    tokenizer = load_tokenizer(os.path.expanduser(config.model.path))
+    tokenizer = sft_tokenizer(config.model)
     dataset = SFTDataset(
         config.data.train_files,
         tokenizer,
@@ -54,6 +56,11 @@ def run_sft(config: DictConfig) -> list[dict[str, float]]:
         drop_last=True,
         collate_fn=collate_sft,
     )
+    if len(loader) == 0:  # drop_last: nothing to train on (and a step target would loop forever)
+        raise ValueError(
+            f"data.train_files hold {len(dataset)} rows, fewer than one batch of "
+            f"data.train_batch_size={config.data.train_batch_size}"
+        )
     total_steps = int(config.trainer.total_training_steps or len(loader) * int(config.trainer.total_epochs))
     with open_dict(config):
         config.optim.total_training_steps = total_steps
@@ -89,6 +96,43 @@ def run_sft(config: DictConfig) -> list[dict[str, float]]:
         tracker.finish()
         wg.shutdown()
     return history
+
+
+def validate_sft_config(config: DictConfig) -> None:
+    """Raise :class:`ConfigError` listing every problem of a composed SFT config, one line each."""
+    from hybridflow.trainer.config import CONFIG_DIR, ConfigError, _check_device, unknown_keys
+    from hybridflow.trainer.config.honesty import sft_problems
+
+    schema = OmegaConf.load(CONFIG_DIR / "sft_trainer.yaml")
+    problems = [f"unknown config key {k!r} (not in sft_trainer.yaml)" for k in unknown_keys(config, schema)]
+    files = config.data.train_files
+    for path in [files] if isinstance(files, str) else list(files or []):
+        if not os.path.isfile(os.path.expanduser(str(path))):
+            problems.append(f"data.train_files: file {path!r} does not exist")
+    model_path = config.model.partial_pretrain or config.model.path
+    if not model_path or not os.path.isdir(os.path.expanduser(str(model_path))):
+        problems.append(f"model.path: {model_path!r} is not a local model directory")
+    workers = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+    if int(config.data.train_batch_size) % max(workers, 1) or int(config.data.train_batch_size) < workers:
+        problems.append(
+            f"data.train_batch_size={config.data.train_batch_size} does not split evenly over the "
+            f"{workers} worker processes (trainer.n_gpus_per_node x trainer.nnodes)"
+        )
+    problems += _check_device(config) + sft_problems(config)  # same device rule as the PPO trainer
+    if problems:
+        raise ConfigError("invalid SFT config:\n  - " + "\n  - ".join(problems))
+
+
+def sft_tokenizer(model_cfg):
+    """The driver's tokenizer of ``model.path``, honouring ``external_lib`` and ``trust_remote_code`` as
+    the workers' model loading does."""
+    from hybridflow.models.loading import load_tokenizer
+    from hybridflow.workers.model_builder import import_external_lib
+
+    import_external_lib(model_cfg.get("external_lib"))
+    return load_tokenizer(
+        os.path.expanduser(str(model_cfg.path)), trust_remote_code=bool(model_cfg.get("trust_remote_code"))
+    )
 
 
 if __name__ == "__main__":

@@ -281,3 +281,51 @@ def test_every_yaml_key_is_implemented_or_limited():
     assert set(accepted) >= {"return_raw_input_ids", "dataloader_num_workers", "load_format"}
     for key in LIMITED_VALUES:
         assert re.search(rf"^\s*{key.rsplit('.', 1)[-1]}:.*# only", yaml_text, flags=re.M), key
+
+
+def test_reward_kwargs_no_scorer_of_the_run_takes_are_rejected(base_overrides, arithmetic_data, tmp_path):
+    """reward_model.reward_kwargs reach the built-in scorers of the data's sources (data.reward_fn_key of
+    the train and val files); one that none of them takes is an error before anything starts."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    math_kwarg = "+reward_model.reward_kwargs.use_math_verify=true"
+    with pytest.raises(ConfigError) as info:
+        validate_config(load_config([*base_overrides, math_kwarg]))
+    (line,) = [line for line in str(info.value).splitlines() if "reward_kwargs" in line]
+    assert "reward kwarg 'use_math_verify' is accepted by no scorer of this run's data sources" in line
+    assert "lighteval/MATH" in line and "hybridflow/arithmetic accepts none" in line
+    # validation rows from MATH: the MATH scorer takes it (the arithmetic rows simply do not get it)
+    table = pq.read_table(arithmetic_data[1])
+    math_val = tmp_path / "math_val.parquet"
+    sources = pa.array(["lighteval/MATH"] * len(table))
+    column = table.column_names.index("data_source")
+    pq.write_table(table.set_column(column, "data_source", sources), math_val)
+    validate_config(load_config([*base_overrides, math_kwarg, f"data.val_files={math_val}"]))
+    # the prime manager keeps num_processes for itself: nothing reaches the scorers
+    prime = ["reward_model.reward_manager=prime", "+reward_model.reward_kwargs.num_processes=1"]
+    validate_config(load_config([*base_overrides, *prime]))
+    # a custom reward function receives them instead: not the built-in scorers' business
+    scorer = tmp_path / "reward.py"
+    scorer.write_text("def compute_score(data_source, solution_str, ground_truth, **kw):\n    return 0.0\n")
+    validate_config(load_config([*base_overrides, math_kwarg, f"custom_reward_function.path={scorer}"]))
+
+
+def test_entry_point_yamls_are_honest():
+    """generation.yaml, evaluation.yaml and sft_trainer.yaml follow ppo_trainer.yaml's rule: no key is
+    "(accepted, unused)"; each key with a limited set of values says "only" in its comment."""
+    import re
+    from pathlib import Path
+
+    from hybridflow.trainer.config import honesty
+
+    tables = {
+        "generation.yaml": honesty.GENERATION_LIMITED_VALUES,
+        "evaluation.yaml": honesty.EVALUATION_LIMITED_VALUES,
+        "sft_trainer.yaml": honesty.SFT_LIMITED_VALUES,
+    }
+    for name, limited in tables.items():
+        text = (Path(honesty.__file__).parent / name).read_text()
+        assert "unused" not in text, name
+        for key in limited:
+            assert re.search(rf"^\s*{key.rsplit('.', 1)[-1]}:.*# only", text, flags=re.M), (name, key)

@@ -257,3 +257,108 @@ def test_generation_rejects_an_unknown_device(tiny_model_dir, six_rows, tmp_path
     with pytest.raises(ConfigError, match="trainer.device must be cpu or cuda, not 'tpu'"):
         run_generation(_gen_config(tiny_model_dir, six_rows, tmp_path / "o.parquet", "trainer.device=tpu"))
     assert not (tmp_path / "o.parquet").exists()
+
+
+# ------------------------------------------------ honest config: generation.yaml and evaluation.yaml
+def _ids(cases):
+    return [override for override, _ in cases]
+
+
+GENERATION_REJECTED = [
+    ("trainer.nnodes=2", "trainer.nnodes=2 is not supported (generation runs in this one process"),
+    ("trainer.n_gpus_per_node=8", "trainer.n_gpus_per_node=8 is not supported (one process generates"),
+    ("rollout.mode=async", "rollout.mode='async' is not supported"),
+    ("rollout.n=4", "rollout.n=4 is not supported (data.n_samples sets the responses per prompt"),
+    ("rollout.tensor_model_parallel_size=2", "tensor-parallel generation is not implemented"),
+    ("rollout.enforce_eager=false", "the embedded engine always runs eagerly"),
+    ("rollout.enable_chunked_prefill=true", "the embedded engine prefills whole prompts"),
+    ("rollout.disable_log_stats=false", "the engine logs no periodic stats"),
+    ("rollout.calculate_log_probs=true", "no log-probs column"),
+]
+
+
+@pytest.mark.parametrize(("override", "message"), GENERATION_REJECTED, ids=_ids(GENERATION_REJECTED))
+def test_generation_rejects_undelivered_settings(tiny_model_dir, six_rows, tmp_path, override, message):
+    out = tmp_path / "o.parquet"
+    with pytest.raises(ConfigError) as info:
+        run_generation(_gen_config(tiny_model_dir, six_rows, out, override))
+    assert message in str(info.value)
+    assert not out.exists()
+
+
+def test_generation_rejections_are_listed_together(tiny_model_dir, six_rows, tmp_path):
+    overrides = ("rollout.mode=async", "rollout.n=2", "trainer.n_gpus_per_node=2")
+    with pytest.raises(ConfigError) as info:
+        run_generation(_gen_config(tiny_model_dir, six_rows, tmp_path / "o.parquet", *overrides))
+    lines = str(info.value).splitlines()
+    assert lines[0] == "invalid generation config:" and len(lines) == 4
+    assert [line.split("=")[0] for line in lines[1:]] == [
+        "  - trainer.n_gpus_per_node",
+        "  - rollout.mode",
+        "  - rollout.n",
+    ]
+
+
+def test_generation_accepted_verl_keys_give_the_same_responses(tiny_model_dir, six_rows, tmp_path):
+    """load_format, free_cache_engine and the log-prob micro batch sizes ("accepted: ...") run, and
+    change nothing in greedy output."""
+    greedy = ("rollout.do_sample=false", "data.n_samples=2")
+    default = run_generation(_gen_config(tiny_model_dir, six_rows, tmp_path / "a.parquet", *greedy))
+    verl_keys = (
+        "rollout.load_format=hf",
+        "rollout.free_cache_engine=false",
+        "rollout.log_prob_micro_batch_size=4",
+        "rollout.log_prob_micro_batch_size_per_gpu=2",
+    )
+    again = run_generation(_gen_config(tiny_model_dir, six_rows, tmp_path / "b.parquet", *greedy, *verl_keys))
+    responses = pq.read_table(default).column("responses").to_pylist()
+    assert pq.read_table(again).column("responses").to_pylist() == responses
+
+
+def test_eval_rejects_a_ray_timeline(tmp_path):
+    path = _write_eval_parquet(tmp_path / "r.parquet", [("1", ["1"])])
+    with pytest.raises(ConfigError, match=r"ray_init.timeline_json_file='/tmp/t.json' is not supported"):
+        run_eval(_eval_config(path, "ray_init.timeline_json_file=/tmp/t.json"))
+
+
+def test_eval_accepted_verl_keys_change_nothing(tmp_path):
+    path = _write_eval_parquet(tmp_path / "r.parquet", [("1", ["1", "2"]), ("3", ["0", "0"])])
+    expected = run_eval(_eval_config(path))
+    assert run_eval(_eval_config(path, "data.prompt_key=no_such_column", "ray_init.num_cpus=2")) == expected
+
+
+def _write_mixed_parquet(path):
+    """A MATH row whose answer only Math-Verify accepts (2/4 == 0.5), and an arithmetic row."""
+    table = pa.table(
+        {
+            "data_source": ["lighteval/MATH", SOURCE],
+            "reward_model": [{"style": "rule", "ground_truth": truth} for truth in ("0.5", "4")],
+            "responses": [[r"so \boxed{\frac{2}{4}}"], ["4"]],
+        }
+    )
+    pq.write_table(table, path)
+    return str(path)
+
+
+def test_eval_reward_kwargs_reach_the_builtin_scorers_that_take_them(tmp_path):
+    path = _write_mixed_parquet(tmp_path / "mixed.parquet")
+    plain = run_eval(_eval_config(path))
+    assert plain["lighteval/MATH"]["mean_reward"] == 0.0  # verl's string equivalence: 2/4 is not 0.5
+    verified = run_eval(_eval_config(path, "+custom_reward_function.reward_kwargs.use_math_verify=true"))
+    assert verified["lighteval/MATH"]["mean_reward"] == 1.0
+    assert verified[SOURCE]["mean_reward"] == 1.0  # the arithmetic scorer does not take it: not passed
+
+
+def test_eval_reward_kwargs_no_scorer_takes_are_rejected_before_scoring(tmp_path):
+    path = _write_eval_parquet(tmp_path / "r.parquet", [("1", ["1"])])
+    with pytest.raises(ConfigError) as info:
+        run_eval(_eval_config(path, "+custom_reward_function.reward_kwargs.use_math_verify=true"))
+    message = str(info.value)
+    expected = "custom_reward_function.reward_kwargs: reward kwarg 'use_math_verify' is accepted by no scorer"
+    assert expected in message
+    assert "hybridflow/arithmetic accepts none" in message and "lighteval/MATH" in message
+    scorer = tmp_path / "mine.py"
+    scorer.write_text("def mine(data_source, solution_str, ground_truth, scale=1.0):\n    return scale\n")
+    custom = [f"custom_reward_function.path={scorer}", "custom_reward_function.name=mine"]
+    with pytest.raises(ConfigError, match=r"kwarg 'scael' is not a parameter of mine .* it takes scale"):
+        run_eval(_eval_config(path, *custom, "+custom_reward_function.reward_kwargs.scael=2"))

@@ -184,3 +184,58 @@ def test_numbers_come_back_as_float():
 
     value = default_compute_score("tests/bool_scorer", "x", "x")
     assert value == 1.0 and type(value) is float
+
+
+# ------------------------------------------------------------------------------------ reward kwargs
+def test_reward_kwargs_reach_only_the_scorers_that_take_them():
+    """A run mixing MATH, gsm8k and arithmetic rows with use_math_verify and gsm8k's method: each scorer
+    gets only its own keywords (gsm8k used to crash on use_math_verify)."""
+    kwargs = {"use_math_verify": True, "method": "flexible"}
+    # Math-Verify's equivalence: 2/4 == 0.5 (verl's string equivalence says 0, tested above)
+    assert default_compute_score("lighteval/MATH", r"\boxed{\frac{2}{4}}", "0.5", **kwargs) == 1.0
+    # flexible: the last number counts without '####' (strict gives 0, tested above)
+    assert default_compute_score("openai/gsm8k", "so 72", "72", **kwargs) == 1.0
+    assert default_compute_score("hybridflow/arithmetic", "it is 9", "9", **kwargs) == 1.0
+    assert default_compute_score("openai/gsm8k", "#### 71", "72", format_score=0.25) == 0.25
+
+
+def test_reward_kwarg_that_no_scorer_takes_is_an_error():
+    from hybridflow.utils.reward_score import ScoreKwargsError
+
+    with pytest.raises(ScoreKwargsError) as err:
+        default_compute_score("openai/gsm8k", "#### 72", "72", use_math_verify=True, math_verfy=True)
+    message = str(err.value)
+    assert "'math_verfy' is accepted by no registered scorer" in message
+    assert "openai/gsm8k accepts format_score, method, score" in message
+    assert "lighteval/MATH accepts use_math_verify" in message
+    assert "hybridflow/arithmetic accepts none" in message
+    assert "use_math_verify'" not in message  # taken by the MATH scorer: not a problem
+
+
+def test_score_kwargs_problems_name_the_run_scorers():
+    from hybridflow.utils.reward_score import score_kwargs_problems
+
+    assert score_kwargs_problems(["use_math_verify", "method"], ["openai/gsm8k", "lighteval/MATH"]) == []
+    run = ["openai/gsm8k", "hybridflow/arithmetic"]
+    (problem,) = score_kwargs_problems(["use_math_verify", "method"], run)
+    assert problem.startswith("reward kwarg 'use_math_verify' is accepted by no scorer of this run's data")
+    others = "DigitalLearningGmbH/MATH-lighteval, HuggingFaceH4/MATH-500, lighteval/MATH"
+    assert f"other data sources take it: {others}" in problem
+    assert "hybridflow/arithmetic accepts none; openai/gsm8k accepts format_score, method, score" in problem
+    # a data source with no scorer is left to the dispatcher's own error
+    assert score_kwargs_problems(["method"], ["openai/gsm8k", "no/such_source"]) == []
+
+
+def test_a_scorer_with_var_kwargs_takes_every_keyword():
+    from hybridflow.utils.reward_score import accepted_kwargs, kwargs_for_scorer
+
+    def open_scorer(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+        return kwargs
+
+    def named_scorer(data_source, solution_str, ground_truth, extra_info=None, *, scale=1.0):
+        return scale
+
+    assert accepted_kwargs(open_scorer) is None
+    assert accepted_kwargs(named_scorer) == frozenset({"scale"})
+    assert kwargs_for_scorer(open_scorer, {"a": 1, "method": "x"}) == {"a": 1, "method": "x"}
+    assert kwargs_for_scorer(named_scorer, {"scale": 2.0, "method": "x"}) == {"scale": 2.0}

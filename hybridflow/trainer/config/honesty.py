@@ -6,9 +6,16 @@ are accepted only at the values whose effect hybridflow delivers (verl's default
 the same here); any other value is reported by :func:`honesty_problems` with what to do instead, so a
 setting is never silently ignored. Keys whose every value is delivered (``use_remove_padding``: padding
 is always trimmed) say so in the YAML comment and need no entry here.
+
+The other entry points' YAML files follow the same rule with their own tables below
+(:data:`GENERATION_LIMITED_VALUES`, :data:`EVALUATION_LIMITED_VALUES`, :data:`SFT_LIMITED_VALUES`),
+checked by :func:`generation_problems`, :func:`evaluation_problems` and :func:`sft_problems`.
 """
 
 from __future__ import annotations
+
+import inspect
+import os
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -99,12 +106,18 @@ def _value(config: DictConfig, key: str):
     )
 
 
-def _limited_value_problems(config: DictConfig) -> list[str]:
+def limited_value_problems(config: DictConfig, limited: dict[str, tuple[tuple, str]]) -> list[str]:
+    """One line per key of ``limited`` (dotted key -> (delivered values, why)) set to another value."""
     problems = []
-    for key, (accepted, why) in LIMITED_VALUES.items():
+    for key, (accepted, why) in limited.items():
         value = _value(config, key)
         if value not in accepted and not (value == [] and None in accepted):
             problems.append(f"{key}={value!r} is not supported ({why})")
+    return problems
+
+
+def _limited_value_problems(config: DictConfig) -> list[str]:
+    problems = limited_value_problems(config, LIMITED_VALUES)
     for key in STRATEGY_KEYS:
         value = _value(config, key)
         if value not in FSDP_STRATEGIES:
@@ -239,14 +252,18 @@ def _engine_kwargs_problems(config: DictConfig) -> list[str]:
     ]
 
 
-def _trainer_problems(config: DictConfig) -> list[str]:
+def _logger_problems(loggers) -> list[str]:
     from hybridflow.utils.tracking import registered_trackers
 
-    problems = []
-    loggers = _value(config, "trainer.logger")
-    for name in [loggers] if isinstance(loggers, str) else list(loggers or []):
-        if name not in registered_trackers():
-            problems.append(f"trainer.logger: {name!r} is not a tracker; registered: {registered_trackers()}")
+    return [
+        f"trainer.logger: {name!r} is not a tracker; registered: {registered_trackers()}"
+        for name in ([loggers] if isinstance(loggers, str) else list(loggers or []))
+        if name not in registered_trackers()
+    ]
+
+
+def _trainer_problems(config: DictConfig) -> list[str]:
+    problems = _logger_problems(_value(config, "trainer.logger"))
     if int(config.critic.rollout_n) != int(config.actor_rollout_ref.rollout.n):
         problems.append(
             f"critic.rollout_n={config.critic.rollout_n} must equal actor_rollout_ref.rollout.n="
@@ -265,7 +282,58 @@ def honesty_problems(config: DictConfig) -> list[str]:
     problems = _limited_value_problems(config)
     for section in ("actor_rollout_ref.actor", "critic"):
         problems += _checkpoint_problems(config, section)
-    return problems + _fsdp_problems(config) + _engine_kwargs_problems(config) + _trainer_problems(config)
+    problems += _fsdp_problems(config) + _engine_kwargs_problems(config) + _trainer_problems(config)
+    return problems + _reward_kwargs_problems(config)
+
+
+def _constructor_params(cls: type) -> set[str]:
+    """Named ``__init__`` parameters of ``cls`` and its bases (what a manager keeps for itself)."""
+    names = set()
+    for klass in cls.__mro__:
+        if "__init__" in vars(klass) and klass is not object:
+            params = inspect.signature(klass.__init__).parameters.values()
+            names |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return names
+
+
+def data_sources(files, key: str) -> list[str] | None:
+    """The distinct values of column ``key`` over the parquet ``files``; None when one cannot be read
+    that way (a custom dataset format, a missing column)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sources: set[str] = set()
+    for path in [files] if isinstance(files, str) else list(files or []):
+        try:
+            column = pq.read_table(os.path.expanduser(str(path)), columns=[key]).column(key)
+        except (OSError, KeyError, ValueError, pa.ArrowException):
+            return None
+        sources.update(str(v) for v in column.unique().to_pylist())
+    return sorted(sources)
+
+
+def _reward_kwargs_problems(config: DictConfig) -> list[str]:
+    """``reward_model.reward_kwargs`` that the built-in scorers would receive (no custom reward function;
+    minus what the reward manager's constructor keeps) but no scorer of the run's data sources accepts."""
+    from hybridflow.utils.reward_score import score_kwargs_problems
+    from hybridflow.workers.reward_manager import REWARD_MANAGERS
+
+    kwargs = _value(config, "reward_model.reward_kwargs") or {}
+    manager = config.reward_model.reward_manager
+    if not kwargs or config.custom_reward_function.path or manager not in REWARD_MANAGERS:
+        return []
+    own = _constructor_params(REWARD_MANAGERS.get(manager))
+    files = [*_value_list(config, "data.train_files"), *_value_list(config, "data.val_files")]
+    sources = data_sources(files, str(config.data.reward_fn_key))
+    return [
+        f"reward_model.reward_kwargs: {problem}"
+        for problem in score_kwargs_problems([k for k in kwargs if k not in own], sources)
+    ]
+
+
+def _value_list(config: DictConfig, key: str) -> list:
+    value = _value(config, key)
+    return [] if value is None else [value] if isinstance(value, str) else list(value)
 
 
 def startup_notes(config: DictConfig) -> list[str]:
@@ -285,3 +353,80 @@ def startup_notes(config: DictConfig) -> list[str]:
                 "and optimizer state on the CPU (the optimizer step runs there)"
             )
     return notes
+
+
+# ------------------------------------------------------------------------------------------------------
+# The other entry points: main_generation (generation.yaml), main_eval (evaluation.yaml), sft_trainer
+# (sft_trainer.yaml). Same rule, same message format; rollout keys reuse the PPO wording.
+
+
+def _rollout_rule(key: str) -> tuple[tuple, str]:
+    return LIMITED_VALUES[f"actor_rollout_ref.rollout.{key}"]
+
+
+GENERATION_LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
+    "trainer.nnodes": ((1,), "generation runs in this one process; set 1"),
+    "trainer.n_gpus_per_node": (
+        (1,),
+        "one process generates every prompt on trainer.device, with no data-parallel workers; set 1, "
+        "or run one main_generation per shard of data.path",
+    ),
+    "rollout.mode": (("sync",), "the async (server) rollout is not implemented; set sync"),
+    "rollout.n": ((1,), "data.n_samples sets the responses per prompt; set rollout.n=1"),
+    "rollout.calculate_log_probs": (
+        (False,),
+        "the output holds the response texts only, no log-probs column; set false",
+    ),
+    **{
+        f"rollout.{key}": _rollout_rule(key)
+        for key in (
+            "tensor_model_parallel_size",
+            "enforce_eager",
+            "enable_chunked_prefill",
+            "disable_log_stats",
+        )
+    },
+}
+
+EVALUATION_LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
+    "ray_init.timeline_json_file": (
+        (None,),
+        "scoring runs in this process without Ray, so there is no Ray timeline to write; remove it",
+    ),
+}
+
+SFT_LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
+    "data.truncation": (
+        ("error", "right"),
+        "a row longer than data.max_length is either an error or cut at its end (right); left and middle "
+        "truncation are not implemented",
+    ),
+    "optim.total_training_steps": (
+        (-1, None),
+        "the SFT trainer sets it from trainer.total_training_steps (else the data and "
+        "trainer.total_epochs); set trainer.total_training_steps instead",
+    ),
+}
+
+
+def generation_problems(config: DictConfig) -> list[str]:
+    """Settings of a ``generation.yaml`` config whose effect main_generation would not deliver."""
+    return limited_value_problems(config, GENERATION_LIMITED_VALUES)
+
+
+def evaluation_problems(config: DictConfig) -> list[str]:
+    """Settings of an ``evaluation.yaml`` config whose effect main_eval would not deliver (the reward
+    kwargs are checked once the data sources are read: :func:`score_kwargs_problems`)."""
+    return limited_value_problems(config, EVALUATION_LIMITED_VALUES)
+
+
+def sft_problems(config: DictConfig) -> list[str]:
+    """Settings of an ``sft_trainer.yaml`` config whose effect the SFT trainer would not deliver: the
+    trained model's dtype and sharding follow the PPO actor's rules."""
+    path = "model.fsdp_config"
+    fsdp = _value(config, path) or {}
+    world_size = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+    problems = limited_value_problems(config, SFT_LIMITED_VALUES)
+    problems += _dtype_problems(path, fsdp, trainable=True)
+    problems += _sharding_problems(path, fsdp, world_size)
+    return problems + _logger_problems(_value(config, "trainer.logger"))

@@ -55,8 +55,14 @@ def compute_score(
 
 @register_scorer("openai/gsm8k")
 def score_gsm8k(
-    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None, **kwargs
+    data_source: str,
+    solution_str: str,
+    ground_truth: str,
+    extra_info: dict | None = None,
+    method: str = "strict",
+    format_score: float = 0.0,
+    score: float = 1.0,
 ) -> float:
-    """:func:`compute_score` under the dispatch signature (``method``, ``format_score``, ``score``
-    come through ``kwargs``)."""
-    return compute_score(solution_str, ground_truth, **kwargs)
+    """:func:`compute_score` under the dispatch signature. Its keywords are named (not ``**kwargs``)
+    so the dispatcher passes this scorer only those (``reward_kwargs`` meant for other scorers stay out)."""
+    return compute_score(solution_str, ground_truth, method=method, format_score=format_score, score=score)
