@@ -1,12 +1,18 @@
 """Entry point: ``python -m hybridflow.trainer.main_ppo key=value ...`` (verl's command-line shape).
 
 Also ``--config-path DIR --config-name NAME`` with a user YAML whose defaults list ``ppo_trainer``.
-The config is validated completely before Ray starts.
+The config is validated completely, and the checkpoint directory probed, before Ray starts.
+
+Exit codes: 0 done; 1 an error reported in one line (checkpoint directory unusable, a save that
+failed, a reward function that raised or timed out; other errors keep their traceback); 124 a reward
+function stuck in native code (``workers/reward_manager/timeouts.py``); 128 + signal after a
+SIGTERM/SIGINT stop (143 / 130; ``trainer/ppo/preemption.py``).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -14,18 +20,38 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
+from hybridflow.trainer.ppo.preemption import StopRequest, TrainingPreempted  # noqa: E402
+
 
 @hydra.main(config_path="config", config_name="ppo_trainer", version_base=None)
 def main(config: DictConfig) -> None:
-    run_ppo(config)
+    try:
+        run_ppo(config)
+    except TrainingPreempted as stop:
+        print(f"hybridflow: {stop} (exit code {stop.exit_code})", file=sys.stderr, flush=True)
+        sys.exit(stop.exit_code)
+    except one_line_errors() as err:  # the message says it all: no traceback to dig through
+        print(f"hybridflow: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def one_line_errors() -> tuple[type[BaseException], ...]:
+    """Errors whose message names what failed, where, and what to do."""
+    from hybridflow.utils.checkpoint.preflight import CheckpointDirError, CheckpointSaveError
+    from hybridflow.workers.reward_manager import RewardScoreError
+
+    return CheckpointDirError, CheckpointSaveError, RewardScoreError
 
 
 def run_ppo(config: DictConfig, worker_groups=None) -> dict[str, float]:
-    """Validate, start Ray if needed, build data/reward/workers, train. Returns the last metrics."""
+    """Validate, check the checkpoint directory, start Ray if needed, build data/reward/workers, train.
+    Returns the last metrics; raises ``TrainingPreempted`` after a SIGTERM/SIGINT stop. Workers built
+    here, and a Ray instance started here, are shut down before it returns or raises."""
     import torch
 
     from hybridflow.trainer.config import validate_config
     from hybridflow.trainer.config.honesty import startup_notes
+    from hybridflow.trainer.ppo.checkpointing import TrainerCheckpointer
     from hybridflow.trainer.ppo.workers_setup import ensure_ray
 
     OmegaConf.resolve(config)
@@ -33,15 +59,46 @@ def run_ppo(config: DictConfig, worker_groups=None) -> dict[str, float]:
     for note in startup_notes(config):  # settings that run as something other than their name
         print(f"hybridflow: {note}", flush=True)
     torch.set_num_threads(1)  # the driver only moves batches and does light maths
-    ensure_ray(config.ray_init)
-    trainer = build_trainer(config, worker_groups)
-    try:
-        trainer.init_workers()
-        return trainer.fit()
-    finally:
-        trainer.tracker.finish()
-        _plot(config, trainer.tracker)
-        write_ray_timeline(config.ray_init.get("timeline_json_file"))
+    TrainerCheckpointer(config.trainer).preflight(config)  # a bad checkpoint dir fails in seconds
+    started_ray = ensure_ray(config.ray_init)
+    stop, trainer = StopRequest(), None
+    with stop:  # from here SIGTERM/SIGINT finish the step, save, stop (trainer/ppo/preemption.py)
+        try:
+            trainer = build_trainer(config, worker_groups)
+            trainer.stop = stop
+            trainer.init_workers()
+            return trainer.fit()
+        except TrainingPreempted as err:
+            if err.abandoned:  # raised by the second signal's handler: say where the run stands
+                step = trainer.global_steps if trainer is not None else 0
+                latest = TrainerCheckpointer(config.trainer).latest()
+                raise TrainingPreempted(err.signum, step, latest, True) from None
+            raise
+        finally:
+            stop.shield()  # the clean-up below is short: later signals do not cut it
+            try:
+                if trainer is not None:
+                    trainer.tracker.finish()
+                    _plot(config, trainer.tracker)
+                write_ray_timeline(config.ray_init.get("timeline_json_file"))
+            finally:
+                _shut_down(trainer, owns_workers=worker_groups is None, owns_ray=started_ray)
+
+
+def _shut_down(trainer, owns_workers: bool, owns_ray: bool) -> None:
+    """Stop the workers built here and the Ray instance started here; never masks the run's error."""
+    from hybridflow.trainer.ppo.workers_setup import shutdown_ray
+
+    steps = []
+    if owns_workers and trainer is not None and trainer.wg is not None:
+        steps.append(("the worker groups", trainer.wg.shutdown))
+    if owns_ray:
+        steps.append(("Ray", shutdown_ray))
+    for what, step in steps:
+        try:
+            step()
+        except Exception as err:  # best effort: the process is ending anyway
+            print(f"hybridflow: shutting down {what} failed: {type(err).__name__}: {err}", file=sys.stderr)
 
 
 def write_ray_timeline(path: str | None) -> None:

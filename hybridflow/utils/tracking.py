@@ -1,10 +1,15 @@
 """Experiment tracking: one ``Tracking`` front end fanning each step's metrics out to named backends.
 
 Backends register by name (``@register_tracker("jsonl")``) and share one interface: constructed with
-``(project_name, experiment_name, config, log_dir)``, then ``log(data, step)`` and ``finish()``.
+``(project_name, experiment_name, config, log_dir)``, then ``log(data, step)`` and ``finish()``; a
+backend that keeps its own history may also offer ``rewind(step)``, which the trainer calls once it
+knows where the run starts (:meth:`Tracking.rewind`).
 
 - ``console``: one sorted ``step:N - key:value`` line per step, via ``tqdm.write`` (safe under a bar);
-- ``jsonl`` (alias ``file``): ``{"step": N, **metrics}`` appended to ``{log_dir}/metrics.jsonl``;
+- ``jsonl`` (alias ``file``): ``{"step": N, **metrics}`` appended to ``{log_dir}/metrics.jsonl``; on
+  resume from step N the records of later steps (logged before the interruption, about to be logged
+  again) are dropped, so each step appears once; a fresh start moves an old file to
+  ``metrics.jsonl.previous``;
 - ``tensorboard``: scalars in ``{log_dir}/tensorboard`` (``TENSORBOARD_DIR`` overrides);
 - ``wandb``: offline unless ``WANDB_API_KEY`` is set (``WANDB_MODE`` overrides).
 
@@ -151,6 +156,18 @@ class JsonlTracker:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
+    def rewind(self, step: int) -> int:
+        """The run continues after ``step`` (0: a fresh start): drop the records of later steps from
+        ``metrics.jsonl`` and ``val_generations.jsonl`` (and unreadable lines, e.g. one cut short by a
+        kill), so a resumed run logs each step once. A fresh start moves an existing file aside to
+        ``<name>.previous`` instead. Returns how many records were dropped."""
+        self._file.close()
+        dropped = 0
+        for path in (self.path, self.path.parent / "val_generations.jsonl"):
+            dropped += _rewind_file(path, step)
+        self._file = self.path.open("a", encoding="utf-8")
+        return dropped
+
     def log_generations(self, samples: list[tuple], step: int, table_name: str) -> None:
         """One ``{"step", "table", "input", "output", "score"}`` line per sample, appended to
         ``{log_dir}/val_generations.jsonl``."""
@@ -162,6 +179,33 @@ class JsonlTracker:
     def finish(self) -> None:
         if not self._file.closed:
             self._file.close()
+
+
+def _record_step(line: str) -> int | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) else None
+
+
+def _rewind_file(path: Path, step: int) -> int:
+    """Keep the lines of ``path`` whose record's step is <= ``step``; with ``step == 0`` move a non-empty
+    file to ``<name>.previous``. Rewritten through a temp file and a rename (a kill keeps the old)."""
+    if not path.exists() or path.stat().st_size == 0:
+        return 0
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    if step <= 0:
+        os.replace(path, path.with_name(path.name + ".previous"))
+        return len(lines)
+    keep = [line for line in lines if (s := _record_step(line)) is not None and s <= step]
+    if len(keep) == len(lines):
+        return 0
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep), encoding="utf-8")
+    os.replace(tmp, path)
+    return len(lines) - len(keep)
 
 
 @register_tracker("tensorboard")
@@ -264,6 +308,17 @@ class Tracking:
     def log(self, data: dict[str, Any], step: int) -> None:
         for backend in self.backends.values():
             backend.log(data, step)
+
+    def rewind(self, step: int) -> None:
+        """The run starts after ``step`` (a resume; 0: fresh): backends that keep a history file drop
+        what a previous attempt logged past it (``jsonl``)."""
+        for backend in self.backends.values():
+            if hasattr(backend, "rewind"):
+                dropped = backend.rewind(step)
+                if dropped and step > 0:
+                    print(f"tracking: resuming after step {step}: dropped {dropped} records logged past it")
+                elif dropped:
+                    print(f"tracking: a fresh start: {dropped} earlier records moved to *.jsonl.previous")
 
     def log_generations(self, samples: list[tuple], step: int, table_name: str = "val/generations") -> None:
         """``samples``: ``[(input, output, score), ...]``, to every backend that shows generations."""

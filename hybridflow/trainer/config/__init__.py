@@ -77,6 +77,7 @@ def validate_config(config: DictConfig) -> None:
         _check_names,
         _check_device,
         _check_unsupported,
+        _check_failure_settings,
         honesty_problems,
     )
     for check in checks:
@@ -232,6 +233,26 @@ def _check_unsupported(config: DictConfig) -> list[str]:
         if path and not os.path.isfile(os.path.expanduser(str(path))):
             problems.append(f"rollout.multi_turn.tool_config_path: {path!r} is not a file")
     problems += _check_lora(config.actor_rollout_ref.model)
+    return problems
+
+
+TIMEOUT_KEYS = (
+    "reward_model.score_timeout_s",
+    "reward_model.batch_timeout_s",
+    "actor_rollout_ref.rollout.multi_turn.tool_timeout_s",
+)
+
+
+def _check_failure_settings(config: DictConfig) -> list[str]:
+    """Time limits are positive seconds or null (no limit); save_on_preempt is a bool."""
+    problems = []
+    for key in TIMEOUT_KEYS:
+        value = OmegaConf.select(config, key)
+        positive = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+        if value is not None and not positive:
+            problems.append(f"{key}={value!r}: use a positive number of seconds, or null for no limit")
+    if not isinstance(config.trainer.get("save_on_preempt", True), bool):
+        problems.append(f"trainer.save_on_preempt={config.trainer.save_on_preempt!r}: use true or false")
     return problems
 
 

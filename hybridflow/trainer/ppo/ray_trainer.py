@@ -31,6 +31,7 @@ from hybridflow.protocol import AUTO_PADDING_KEY, DataProto
 from hybridflow.trainer.ppo import metric_utils
 from hybridflow.trainer.ppo.checkpointing import TrainerCheckpointer
 from hybridflow.trainer.ppo.dynamic_sampling import GroupFilter
+from hybridflow.trainer.ppo.preemption import StopRequest, TrainingPreempted
 from hybridflow.trainer.ppo.workers_setup import WorkerGroups, build_worker_groups
 from hybridflow.utils.seqlen_balancing import get_seqlen_balanced_partitions, log_seqlen_unbalance
 from hybridflow.utils.timer import marked_timer
@@ -84,10 +85,12 @@ class RayPPOTrainer:
         self.global_steps = 0
         self.wg = worker_groups
         self.checkpointer = TrainerCheckpointer(config.trainer)
+        self.stop = StopRequest()  # entered by run_ppo: SIGTERM/SIGINT finish the step, save, stop
         self.reward_extra_keys: set[str] = set()  # per-sample reward extras seen (for generation dumps)
         self.use_greedy_baseline = config.algorithm.adv_estimator in ESTIMATORS_NEEDING_GREEDY_BASELINE
         # rollout.use_rollout_log_probs: whether (and when) the engine's log-probs last matched a recompute
         self.log_prob_parity = LogProbParity()
+        self.old_log_probs_from_update = update_computes_old_log_probs(config)
 
     # ------------------------------------------------------------------ setup
     def init_workers(self) -> None:
@@ -102,6 +105,8 @@ class RayPPOTrainer:
         from tqdm import tqdm
 
         self.global_steps = self.checkpointer.load(self)
+        if self.tracker is not None:  # records an interrupted attempt logged past the checkpoint
+            self.tracker.rewind(self.global_steps)
         if self.config.trainer.val_before_train and self.val_reward_fn is not None and self.global_steps == 0:
             self._log(self.validate(), step=0)
             if self.config.trainer.val_only:
@@ -116,18 +121,21 @@ class RayPPOTrainer:
         metrics: dict[str, float] = {}
         data_iter = self._batches()
         start, first_step = time.monotonic(), self.global_steps
-        while self.global_steps < self.total_training_steps:
+        while self.global_steps < self.total_training_steps and not self.stop.requested:
             self.global_steps += 1
             metrics = self.fit_step(data_iter)
             self._stop_when_out_of_time(time.monotonic() - start, self.global_steps - first_step, progress)
             if self._is_due(self.config.trainer.test_freq) and self.val_reward_fn is not None:
-                metrics.update(self.validate())
-            if self._is_due(self.config.trainer.save_freq):
+                if not self.stop.requested:  # preempted: the grace period is for the save
+                    metrics.update(self.validate())
+            self._log(metrics, step=self.global_steps)  # first: a save that fails keeps the step's metrics
+            if self._is_due(self.config.trainer.save_freq) or self._save_on_preempt():
                 self.checkpointer.save(self)
-            self._log(metrics, step=self.global_steps)
             progress.set_postfix(score=f"{metrics.get('critic/score/mean', float('nan')):.3f}")
             progress.update(1)
         progress.close()
+        if self.stop.requested:
+            raise TrainingPreempted(self.stop.signum, self.global_steps, self.checkpointer.latest(), False)
         return metrics
 
     def fit_step(self, data_iter) -> dict[str, float]:
@@ -224,9 +232,13 @@ class RayPPOTrainer:
         return batch
 
     def balance_batch(self, batch: DataProto, metrics: dict) -> None:
-        """Reorder rows so every dp rank gets a similar number of tokens (in place)."""
+        """Reorder rows so every dp rank gets a similar number of tokens (in place). The responses to
+        one prompt stay together on one rank when the groups divide evenly over the ranks, so the
+        workers can compute each shared prompt once (:mod:`hybridflow.workers.shared_prefix`)."""
         seqlens = batch.batch[keys.ATTENTION_MASK].sum(dim=-1).tolist()
-        parts = get_seqlen_balanced_partitions(seqlens, k_partitions=self.wg.world_size, equal_size=True)
+        parts = group_balanced_partitions(batch.non_tensor_batch[keys.UID], seqlens, self.wg.world_size)
+        if parts is None:
+            parts = get_seqlen_balanced_partitions(seqlens, k_partitions=self.wg.world_size, equal_size=True)
         batch.reorder(torch.tensor([i for part in parts for i in part]))
         metrics.update(log_seqlen_unbalance(seqlens, parts, prefix="global_seqlen"))
 
@@ -236,6 +248,8 @@ class RayPPOTrainer:
         forward within ``rollout.log_prob_parity_tolerance`` at a check made fewer than
         ``rollout.log_prob_parity_check_freq`` steps ago. A failed check keeps the recompute (and checks
         again every step until a check passes)."""
+        if self.old_log_probs_from_update:  # see update_computes_old_log_probs: no forward needed
+            return batch
         rollout_cfg = self.config.actor_rollout_ref.rollout
         rollout_log_probs = batch.batch.get(keys.ROLLOUT_LOG_PROBS, None)
         use_rollout = bool(rollout_cfg.get("use_rollout_log_probs", False)) and rollout_log_probs is not None
@@ -341,6 +355,9 @@ class RayPPOTrainer:
             for batch_dict in self.train_dataloader:
                 yield DataProto.from_single_dict(batch_dict)
 
+    def _save_on_preempt(self) -> bool:
+        return self.stop.requested and bool(self.config.trainer.get("save_on_preempt", True))
+
     def _is_due(self, freq) -> bool:
         freq = int(freq or -1)
         last = self.global_steps == self.total_training_steps
@@ -410,6 +427,37 @@ def _kl_ctrl_kwargs(kl_ctrl) -> dict:
 def out_of_time(elapsed_s: float, steps_done: int, budget_s: float) -> bool:
     """Whether one more step, as long as the mean step so far, would end past ``budget_s``."""
     return steps_done > 0 and elapsed_s + elapsed_s / steps_done > budget_s
+
+
+def group_balanced_partitions(uids, seqlens: list[int], world: int) -> list[list[int]] | None:
+    """Row indices per rank, balanced by tokens, keeping each uid group whole; None when the groups
+    are not all the same size or do not divide evenly over ``world`` ranks (equal rows per rank)."""
+    groups: dict = {}
+    for row, uid in enumerate(uids):
+        groups.setdefault(uid, []).append(row)
+    members = list(groups.values())
+    if len({len(m) for m in members}) != 1 or len(members) % world:
+        return None
+    tokens = [sum(seqlens[i] for i in m) for m in members]
+    parts = get_seqlen_balanced_partitions(tokens, k_partitions=world, equal_size=True)
+    return [sorted(i for g in part for i in members[g]) for part in parts]
+
+
+def update_computes_old_log_probs(config: DictConfig) -> bool:
+    """Whether the actor update's own forward is provably the old policy's, so its log-probs
+    (detached) are ``old_log_probs`` and the separate old-log-prob pass is skipped (TRL and verl's
+    on-policy shortcut): one PPO epoch and one mini-batch per step (the whole batch is one optimizer
+    step, so every micro-batch sees the weights that generated it), and nothing needs them before the
+    update (no KL penalty in the reward; ``use_rollout_log_probs`` asks for the engine's instead).
+    Exact: ratio = exp(log pi - sg(log pi)) = 1, gradient = grad log pi."""
+    actor = config.actor_rollout_ref.actor
+    return (
+        bool(actor.get("reuse_update_log_probs", True))
+        and int(actor.ppo_epochs) == 1
+        and int(actor.ppo_mini_batch_size) == int(config.data.train_batch_size)
+        and not bool(config.algorithm.use_kl_in_reward)
+        and not bool(config.actor_rollout_ref.rollout.get("use_rollout_log_probs", False))
+    )
 
 
 def set_optim_total_steps(config: DictConfig, total_steps: int) -> None:

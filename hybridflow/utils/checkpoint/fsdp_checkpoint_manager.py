@@ -19,8 +19,9 @@ Model and optimizer get separate DCP directories so the merger (``hybridflow.mod
 without touching optimizer shards, and a model-only checkpoint has the same layout minus ``optim/``.
 
 Atomicity: all ranks write into the sibling ``{local_path}.tmp``; after a barrier rank 0 writes
-checkpoint_meta.json and renames the directory onto ``local_path``. An interrupted save leaves only a stale
-``.tmp`` (cleared by the next save); ``local_path`` is either the old checkpoint or the new one. A rename
+checkpoint_meta.json and renames the directory onto ``local_path``. A save that raises (a full disk) has
+rank 0 delete the ``.tmp`` before the error propagates; a killed save leaves only a stale ``.tmp``
+(cleared by the next save). Either way ``local_path`` is either the old checkpoint or the new one. A rename
 cannot replace a non-empty directory, so re-saving to an existing path moves the old directory aside
 (``.old``) just before the rename and deletes it after; trainers avoid even that window by writing each step
 to a new ``global_step_N`` directory and moving the tracker file last (tracker.py).
@@ -184,9 +185,18 @@ class FSDPCheckpointManager:
 
     # ------------------------------------------------------------------ save
     def save_checkpoint(self, local_path: str, global_step: int, max_ckpt_to_keep: int | None = None) -> None:
-        """Write a checkpoint to ``local_path``; every rank must call this (collective)."""
+        """Write a checkpoint to ``local_path``; every rank must call this (collective). If it raises,
+        rank 0 has removed the partial ``{local_path}.tmp``."""
         local_path = os.path.normpath(os.fspath(local_path))
         tmp_path = local_path + ".tmp"
+        try:
+            self._save(local_path, tmp_path, global_step, max_ckpt_to_keep)
+        except Exception:
+            if _rank() == 0:  # partial shards would only fill the disk (the caller may be out of space)
+                shutil.rmtree(tmp_path, ignore_errors=True)
+            raise
+
+    def _save(self, local_path: str, tmp_path: str, global_step: int, max_ckpt_to_keep: int | None) -> None:
         rank = _rank()
         if rank == 0:  # a stale .tmp is what an earlier interrupted save left behind
             shutil.rmtree(tmp_path, ignore_errors=True)

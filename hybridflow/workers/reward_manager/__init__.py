@@ -4,13 +4,18 @@ A manager is called as ``manager(data: DataProto, return_dict=False)`` and retur
 ``reward_tensor (B, T_r) float32`` with each sample's score on its last generated token (the last
 position where ``response_mask == 1``), or ``{"reward_tensor", "reward_extra_info"}``. Managers are
 registered by name: ``naive`` (one scorer call per sample), ``batch`` (one call for the batch),
-``dapo`` (naive + overlong penalty), ``prime`` (parallel processes with a per-sample timeout). Build
-one from config with :func:`build_reward_manager`.
+``dapo`` (naive + overlong penalty), ``prime`` (parallel worker processes it can kill). Every manager
+limits each scorer call to ``score_timeout_s`` and a batch's scoring to ``batch_timeout_s``
+(:mod:`.timeouts`). Build one from config with :func:`build_reward_manager`.
 """
 
 from hybridflow.workers.reward_manager import batch, dapo, naive, prime  # noqa: F401  (registration)
 from hybridflow.workers.reward_manager.batch import BatchRewardManager
-from hybridflow.workers.reward_manager.custom import build_reward_manager, load_custom_reward_function
+from hybridflow.workers.reward_manager.custom import (
+    CustomRewardFunction,
+    build_reward_manager,
+    load_custom_reward_function,
+)
 from hybridflow.workers.reward_manager.dapo import DAPORewardManager
 from hybridflow.workers.reward_manager.naive import NaiveRewardManager, RewardScoreError
 from hybridflow.workers.reward_manager.prime import PrimeRewardManager
@@ -19,14 +24,17 @@ from hybridflow.workers.reward_manager.registry import (
     get_reward_manager_cls,
     register_reward_manager,
 )
+from hybridflow.workers.reward_manager.timeouts import ScoreTimeout
 
 __all__ = [
     "REWARD_MANAGERS",
     "BatchRewardManager",
+    "CustomRewardFunction",
     "DAPORewardManager",
     "NaiveRewardManager",
     "PrimeRewardManager",
     "RewardScoreError",
+    "ScoreTimeout",
     "build_reward_manager",
     "get_reward_manager_cls",
     "load_custom_reward_function",

@@ -7,13 +7,14 @@ Config keys read (verl's names, plus ``on_score_error``)::
       reward_manager: naive | batch | dapo | prime | <registered name>
       reward_kwargs: {...}          # forwarded to the manager (and from there to compute_score)
       overlong_buffer: {enable, len, penalty_factor, log}   # for managers that take it (dapo)
-      on_score_error: raise | zero  # hybridflow: what a raising / NaN scorer does
+      on_score_error: raise | zero  # hybridflow: what a raising / NaN / timed-out scorer does
+      score_timeout_s: 300          # hybridflow: one scorer call (null: no limit)
+      batch_timeout_s: 1800         # hybridflow: all of one batch's scoring (null: no limit)
     data.max_response_length        # passed by the caller as max_resp_len
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
 import inspect
@@ -23,21 +24,17 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.workers.reward_manager.dapo import cfg_get as _get
+from hybridflow.workers.reward_manager.naive import DEFAULT_BATCH_TIMEOUT_S, DEFAULT_SCORE_TIMEOUT_S
 from hybridflow.workers.reward_manager.registry import get_reward_manager_cls
 
 
-def load_custom_reward_function(path: str | Path | None, name: str = "compute_score") -> Callable | None:
-    """Import the Python file at ``path`` and return its function ``name`` (``None`` path → ``None``).
-
-    The module is registered in ``sys.modules`` under a stable name derived from the path, so the
-    function pickles by reference (needed by the ``prime`` manager's worker processes).
-    """
-    if path is None or path == "":
-        return None
-    file = Path(path).expanduser().resolve()
-    if not file.is_file():
-        raise FileNotFoundError(f"custom_reward_function.path: reward function file {str(path)!r} not found")
+def _import_file(file: Path):
+    """The module of ``file``, imported once per process under a stable name derived from its path
+    (importing it again for the validation manager would make the training manager's function "not
+    the same object" as the module's, and unpicklable)."""
     module_name = f"hybridflow_custom_reward_{file.stem}_{hashlib.sha1(str(file).encode()).hexdigest()[:8]}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, file)
     if spec is None or spec.loader is None:
         raise ImportError(f"custom_reward_function.path: cannot import {file} as a Python module")
@@ -45,9 +42,21 @@ def load_custom_reward_function(path: str | Path | None, name: str = "compute_sc
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception:
+    except BaseException:
         del sys.modules[module_name]
         raise
+    return module
+
+
+def load_custom_reward_function(path: str | Path | None, name: str = "compute_score") -> Callable | None:
+    """Import the Python file at ``path`` (once per process) and return its function ``name``
+    (``None`` path → ``None``)."""
+    if path is None or path == "":
+        return None
+    file = Path(path).expanduser().resolve()
+    if not file.is_file():
+        raise FileNotFoundError(f"custom_reward_function.path: reward function file {str(path)!r} not found")
+    module = _import_file(file)
     fn = getattr(module, name, None)
     if not callable(fn):
         available = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
@@ -57,12 +66,43 @@ def load_custom_reward_function(path: str | Path | None, name: str = "compute_sc
     return fn
 
 
+class CustomRewardFunction:
+    """``custom_reward_function.{path, name, reward_kwargs}`` as a callable that pickles as its path,
+    name and kwargs: a process that unpickles it (the ``prime`` manager's workers, whatever their
+    start method) imports the file itself, once."""
+
+    def __init__(self, path: str | Path, name: str = "compute_score", kwargs: dict | None = None) -> None:
+        self.path = str(Path(path).expanduser().resolve())
+        self.name = name
+        self.kwargs = dict(kwargs or {})
+        self._fn: Callable | None = None
+        self._load()  # fail at start-up, not at the first batch
+
+    def _load(self) -> Callable:
+        if self._fn is None:
+            self._fn = load_custom_reward_function(self.path, self.name)
+        return self._fn
+
+    def __call__(self, *args, **kwargs):
+        return self._load()(*args, **{**self.kwargs, **kwargs})
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "name": self.name, "kwargs": self.kwargs}
+
+    def __setstate__(self, state: dict) -> None:
+        self.path, self.name, self.kwargs = state["path"], state["name"], state["kwargs"]
+        self._fn = None  # imported on the first call in this process
+
+    def __repr__(self) -> str:
+        return f"CustomRewardFunction({self.path!r}, {self.name!r})"
+
+
 def _custom_compute_score(custom_reward_cfg: Any) -> Callable | None:
-    fn = load_custom_reward_function(
-        _get(custom_reward_cfg, "path"), _get(custom_reward_cfg, "name") or "compute_score"
-    )
-    kwargs = dict(_get(custom_reward_cfg, "reward_kwargs") or {})
-    return functools.partial(fn, **kwargs) if fn is not None and kwargs else fn
+    path = _get(custom_reward_cfg, "path")
+    if path is None or path == "":
+        return None
+    name = _get(custom_reward_cfg, "name") or "compute_score"
+    return CustomRewardFunction(path, name, dict(_get(custom_reward_cfg, "reward_kwargs") or {}))
 
 
 def build_reward_manager(
@@ -81,6 +121,9 @@ def build_reward_manager(
     cls = get_reward_manager_cls(_get(reward_model_cfg, "reward_manager", "naive") or "naive")
     kwargs = dict(_get(reward_model_cfg, "reward_kwargs") or {})
     kwargs["on_score_error"] = _get(reward_model_cfg, "on_score_error", "raise") or "raise"
+    limits = {"score_timeout_s": DEFAULT_SCORE_TIMEOUT_S, "batch_timeout_s": DEFAULT_BATCH_TIMEOUT_S}
+    for key, default in limits.items():
+        kwargs[key] = _get(reward_model_cfg, key, default)  # null in the config: no limit
     overlong = _get(reward_model_cfg, "overlong_buffer")
     accepted = inspect.signature(cls).parameters
     if "overlong_buffer_cfg" in accepted:

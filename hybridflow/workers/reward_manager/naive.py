@@ -5,10 +5,13 @@ Pipeline of every manager's ``__call__(data, return_dict=False)``:
 1. if ``rm_scores`` is in ``data.batch`` (a reward model already ran), return it unchanged;
 2. :func:`decode_samples`: valid prompt/response ids → strings (``skip_special_tokens=True``), plus
    ``reward_model[i]["ground_truth"]``, ``data[reward_fn_key][i]`` and ``extra_info[i]``;
-3. ``score_samples`` (the part each manager defines) → one :class:`ScoreOutcome` per sample;
-4. :func:`resolve_scores`: validate (a raised error, a NaN/inf or a non-number is never silently
-   zeroed: ``RewardScoreError``, unless ``on_score_error="zero"``), split dict results into the
-   score and extra fields;
+3. ``score_samples`` (the part each manager defines) → one :class:`ScoreOutcome` per sample, each
+   scorer call limited to ``score_timeout_s`` and the whole batch to ``batch_timeout_s``
+   (:mod:`.timeouts`);
+4. :func:`resolve_scores`: validate (a raised error, a timeout, a NaN/inf or a non-number is never
+   silently zeroed: ``RewardScoreError`` naming the sample, unless ``on_score_error="zero"``, which
+   scores it 0 and marks it in the ``score_error`` / ``timed_out`` extra columns), split dict results
+   into the score and extra fields;
 5. ``shape_scores`` (optional per-manager adjustment, e.g. DAPO's overlong penalty);
 6. write each score on the sample's last generated token (:func:`score_positions`) of
    ``reward_tensor (B, T_r) float32``.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,11 +30,15 @@ import torch
 from hybridflow.protocol import DataProto
 from hybridflow.utils.reward_score import default_compute_score
 from hybridflow.workers.reward_manager.registry import register_reward_manager
+from hybridflow.workers.reward_manager.timeouts import ScoreTimeout, call_with_time_limit, effective_limit
 
 logger = logging.getLogger(__name__)
 
 ON_SCORE_ERROR_MODES = ("raise", "zero")
 RESPONSE_PREFIX_CHARS = 200  # how much of a response an error message quotes
+# Library defaults of reward_model.score_timeout_s / batch_timeout_s (ppo_trainer.yaml holds the same).
+DEFAULT_SCORE_TIMEOUT_S = 300.0  # one scorer call (verl's prime manager gives a sample 300 s)
+DEFAULT_BATCH_TIMEOUT_S = 1800.0  # all of one batch's scoring
 
 
 class RewardScoreError(RuntimeError):
@@ -137,23 +145,48 @@ def score_positions(data: DataProto) -> torch.Tensor:
     return torch.where(mask.bool(), positions, torch.zeros_like(positions)).amax(dim=-1)
 
 
-def call_scorer(compute_score, sample: RewardSample, score_kwargs: dict) -> ScoreOutcome:
-    """Run ``compute_score`` on one sample with verl's keyword arguments; capture any exception."""
+def timeout_message(seconds: float | None, from_batch: bool, batch_timeout_s: float | None) -> str:
+    """What a timed-out sample's error says: which limit ran out."""
+    if from_batch:
+        return f"the batch's scoring ran past reward_model.batch_timeout_s={batch_timeout_s:g}s"
+    return f"scorer timed out after reward_model.score_timeout_s={seconds:g}s"
+
+
+def call_scorer(
+    compute_score,
+    sample: RewardSample,
+    score_kwargs: dict,
+    score_timeout_s: float | None = None,
+    deadline: float | None = None,
+    batch_timeout_s: float | None = None,
+) -> ScoreOutcome:
+    """Run ``compute_score`` on one sample with verl's keyword arguments, for at most
+    ``score_timeout_s`` and not past the batch's ``deadline`` (``time.monotonic()``); capture any
+    exception or timeout as the outcome."""
+    seconds, from_batch = effective_limit(score_timeout_s, deadline)
+    message = timeout_message(score_timeout_s, from_batch, batch_timeout_s)
     try:
-        result = compute_score(
-            data_source=sample.data_source,
-            solution_str=sample.response_str,
-            ground_truth=sample.ground_truth,
-            extra_info=sample.extra_info,
-            **score_kwargs,
+        result = call_with_time_limit(
+            lambda: compute_score(
+                data_source=sample.data_source,
+                solution_str=sample.response_str,
+                ground_truth=sample.ground_truth,
+                extra_info=sample.extra_info,
+                **score_kwargs,
+            ),
+            seconds,
+            message,
+            describe=lambda: _describe(sample, message),
         )
-    except Exception as exc:  # reported (or zeroed) by resolve_scores, never dropped
+    except (Exception, ScoreTimeout) as exc:  # reported (or zeroed) by resolve_scores, never dropped
         return ScoreOutcome(error=exc)
     return ScoreOutcome(result=result)
 
 
 def _parse(outcome: ScoreOutcome) -> tuple[float, dict, str | None]:
     """``(score, extra fields, problem)``; ``problem`` is None when the outcome is a finite number."""
+    if isinstance(outcome.error, ScoreTimeout):
+        return 0.0, {}, str(outcome.error)
     if outcome.error is not None:
         return 0.0, {}, f"scorer raised {type(outcome.error).__name__}: {outcome.error}"
     result, extras = outcome.result, {}
@@ -204,6 +237,7 @@ def resolve_scores(
     info = {k: [extras.get(k) for extras in per_sample] for k in keys}
     if on_score_error == "zero":
         info["score_error"] = errors
+        info["timed_out"] = [int(isinstance(o.error, ScoreTimeout)) for o in outcomes]
     return ResolvedScores(scores, info)
 
 
@@ -218,6 +252,15 @@ def print_examples(samples: list[RewardSample], scores: list[float], num_examine
         print("[response]", sample.response_str)
         print("[ground_truth]", sample.ground_truth)
         print("[score]", score)
+
+
+def check_timeout(name: str, seconds: float | None) -> float | None:
+    """A positive number of seconds, or None (no limit)."""
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
+        raise ValueError(f"reward_model.{name} must be a positive number of seconds or null, got {seconds!r}")
+    return float(seconds)
 
 
 def check_on_score_error(mode: str) -> str:
@@ -236,6 +279,8 @@ class RewardManagerBase:
         compute_score=None,
         reward_fn_key: str = "data_source",
         on_score_error: str = "raise",
+        score_timeout_s: float | None = DEFAULT_SCORE_TIMEOUT_S,
+        batch_timeout_s: float | None = DEFAULT_BATCH_TIMEOUT_S,
         **kwargs,
     ) -> None:
         self.tokenizer = tokenizer
@@ -243,7 +288,13 @@ class RewardManagerBase:
         self.compute_score = compute_score or default_compute_score
         self.reward_fn_key = reward_fn_key
         self.on_score_error = check_on_score_error(on_score_error)
+        self.score_timeout_s = check_timeout("score_timeout_s", score_timeout_s)
+        self.batch_timeout_s = check_timeout("batch_timeout_s", batch_timeout_s)
         self.score_kwargs = kwargs  # forwarded to every compute_score call (verl's reward_kwargs)
+
+    def batch_deadline(self) -> float | None:
+        """``time.monotonic()`` by which this batch's scoring must end (None: no limit)."""
+        return None if self.batch_timeout_s is None else time.monotonic() + self.batch_timeout_s
 
     def score_samples(self, samples: list[RewardSample]) -> tuple[list[ScoreOutcome], dict[str, list]]:
         """One outcome per sample, plus extra-info columns of length B the manager wants logged."""
@@ -279,7 +330,23 @@ class RewardManagerBase:
 
 @register_reward_manager("naive")
 class NaiveRewardManager(RewardManagerBase):
-    """Calls ``compute_score`` once per sample, in order, in this process."""
+    """Calls ``compute_score`` once per sample, in order, in this process (time limits: :mod:`.timeouts`)."""
 
     def score_samples(self, samples: list[RewardSample]) -> tuple[list[ScoreOutcome], dict[str, list]]:
-        return [call_scorer(self.compute_score, s, self.score_kwargs) for s in samples], {}
+        deadline = self.batch_deadline()
+        outcomes = []
+        for sample in samples:
+            outcomes.append(
+                call_scorer(
+                    self.compute_score,
+                    sample,
+                    self.score_kwargs,
+                    self.score_timeout_s,
+                    deadline,
+                    self.batch_timeout_s,
+                )
+            )
+            if outcomes[-1].error is not None and self.on_score_error == "raise":
+                break  # the run stops on this sample: scoring the rest would only delay the error
+        outcomes += [ScoreOutcome(result=0.0) for _ in range(len(samples) - len(outcomes))]  # never read
+        return outcomes, {}

@@ -1,13 +1,17 @@
 """The PRIME reward manager: samples scored in parallel worker processes, each with a timeout.
 
 Slow or hanging verifiers (sympy, code execution) must not stall training. Each sample runs in a
-``concurrent.futures.ProcessPoolExecutor`` worker under a ``SIGALRM`` timer of ``timeout_s``
-seconds, which interrupts a scorer stuck in Python code; a sample that times out scores 0 and is
-counted in extra info ``timed_out`` (1/0 per sample). As a backstop for scorers stuck in C code,
-the whole batch gets ``timeout_s * ceil(B / num_processes) + BACKSTOP_GRACE_S``; samples still
-pending then also count as timed out, and the pool's processes are killed.
+``concurrent.futures.ProcessPoolExecutor`` worker, limited to ``score_timeout_s`` by the same timeout
+signal as the in-process managers (:mod:`.timeouts`), which interrupts a scorer stuck in Python code.
+As a backstop for scorers stuck in C code (which no signal reaches), the whole batch gets
+``score_timeout_s * ceil(B / num_processes) + BACKSTOP_GRACE_S``, or ``batch_timeout_s`` if that is
+shorter; samples still pending then also time out, and the pool's processes are killed. A timed-out
+sample is a scoring error like any other: ``RewardScoreError`` naming it, or 0 with
+``on_score_error=zero`` (extra info ``timed_out`` marks it).
 
-``compute_score`` must be picklable (a module-level function) to reach the workers.
+``compute_score`` must be picklable: a module-level function, or a custom reward function from
+``custom_reward_function.path`` (:class:`~.custom.CustomRewardFunction` travels as its file path and
+name, and each worker imports the file itself).
 """
 
 from __future__ import annotations
@@ -16,51 +20,36 @@ import logging
 import math
 import multiprocessing
 import pickle
-import signal
-import threading
 from concurrent.futures import Future, ProcessPoolExecutor, wait
 from typing import Any
 
-from hybridflow.workers.reward_manager.naive import RewardManagerBase, RewardSample, ScoreOutcome
+from hybridflow.workers.reward_manager.naive import (
+    RewardManagerBase,
+    RewardSample,
+    ScoreOutcome,
+    timeout_message,
+)
 from hybridflow.workers.reward_manager.registry import register_reward_manager
+from hybridflow.workers.reward_manager.timeouts import ScoreTimeout, call_with_time_limit
 
 logger = logging.getLogger(__name__)
 
 BACKSTOP_GRACE_S = 10.0  # worker start-up and pickling on top of the per-sample budget
 
 
-class _SampleTimeout(Exception):
-    """Raised inside a worker by the SIGALRM handler."""
-
-
-def _raise_timeout(signum, frame) -> None:
-    raise _SampleTimeout
-
-
 def _score_in_worker(compute_score, kwargs: dict, timeout_s: float | None) -> tuple[bool, Any]:
     """Runs in a worker: ``(timed_out, result)``; scorer exceptions propagate to the future."""
-    use_alarm = (
-        timeout_s is not None
-        and hasattr(signal, "setitimer")
-        and threading.current_thread() is threading.main_thread()
-    )
-    if not use_alarm:
-        return False, compute_score(**kwargs)
-    previous = signal.signal(signal.SIGALRM, _raise_timeout)
     try:
-        try:
-            signal.setitimer(signal.ITIMER_REAL, timeout_s)
-            return False, compute_score(**kwargs)
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
-    except _SampleTimeout:  # also catches an alarm landing between the return and the timer reset
+        return False, call_with_time_limit(
+            lambda: compute_score(**kwargs), timeout_s, "timed out", exit_on_hang=False
+        )
+    except ScoreTimeout:  # pickled back as a flag: the parent words the message
         return True, None
 
 
 @register_reward_manager("prime")
 class PrimeRewardManager(RewardManagerBase):
-    """Parallel per-sample scoring with ``num_processes`` workers and a per-sample ``timeout_s``."""
+    """Parallel per-sample scoring with ``num_processes`` workers and a per-sample ``score_timeout_s``."""
 
     def __init__(
         self,
@@ -70,7 +59,6 @@ class PrimeRewardManager(RewardManagerBase):
         reward_fn_key: str = "data_source",
         on_score_error: str = "raise",
         num_processes: int = 4,
-        timeout_s: float | None = 300.0,
         mp_context: str | None = None,
         **kwargs,
     ) -> None:
@@ -81,11 +69,10 @@ class PrimeRewardManager(RewardManagerBase):
             pickle.dumps(self.compute_score)
         except Exception as exc:
             raise TypeError(
-                "prime reward manager: compute_score must be picklable (a module-level function) to run "
-                f"in worker processes; got {self.compute_score!r}"
+                "prime reward manager: compute_score must be picklable (a module-level function or "
+                f"custom_reward_function.path) to run in worker processes; got {self.compute_score!r}"
             ) from exc
         self.num_processes = num_processes
-        self.timeout_s = timeout_s
         self.mp_context = mp_context  # None: the platform default start method
 
     def _job(self, sample: RewardSample) -> dict:
@@ -97,44 +84,52 @@ class PrimeRewardManager(RewardManagerBase):
             **self.score_kwargs,
         )
 
-    def _backstop_s(self, n: int, workers: int) -> float | None:
-        if self.timeout_s is None:
-            return None
-        return self.timeout_s * math.ceil(n / workers) + BACKSTOP_GRACE_S
+    def _backstop_s(self, n: int, workers: int) -> tuple[float | None, bool]:
+        """``(seconds, from_batch)``: how long to wait for the whole batch, and whether that is
+        ``batch_timeout_s`` (rather than the per-sample budget times the rounds of work)."""
+        per_sample = None
+        if self.score_timeout_s is not None:
+            per_sample = self.score_timeout_s * math.ceil(n / workers) + BACKSTOP_GRACE_S
+        if self.batch_timeout_s is not None and (per_sample is None or self.batch_timeout_s < per_sample):
+            return self.batch_timeout_s, True
+        return per_sample, False
 
     def score_samples(self, samples: list[RewardSample]) -> tuple[list[ScoreOutcome], dict[str, list]]:
         if not samples:
-            return [], {"timed_out": []}
+            return [], {}
         workers = min(self.num_processes, len(samples))
         context = multiprocessing.get_context(self.mp_context)
         pool = ProcessPoolExecutor(max_workers=workers, mp_context=context)
         pending: set[Future] = set()
+        backstop_s, from_batch = self._backstop_s(len(samples), workers)
+        late = timeout_message(self.score_timeout_s, from_batch, self.batch_timeout_s)
+        if not from_batch:
+            late += " (stuck where no signal reaches it: its worker process was killed)"
         try:
             futures = [
-                pool.submit(_score_in_worker, self.compute_score, self._job(s), self.timeout_s)
+                pool.submit(_score_in_worker, self.compute_score, self._job(s), self.score_timeout_s)
                 for s in samples
             ]
-            _, pending = wait(futures, timeout=self._backstop_s(len(samples), workers))
-            outcomes, timed_out = zip(*(_collect(f, f in pending) for f in futures), strict=True)
+            _, pending = wait(futures, timeout=backstop_s)
+            outcomes = [self._collect(f, late if f in pending else None) for f in futures]
         finally:
             _shutdown(pool, kill=bool(pending))
-        if any(timed_out):
-            n_late = sum(timed_out)
-            logger.warning(
-                "prime: %d of %d samples timed out after %ss, scored 0", n_late, len(samples), self.timeout_s
-            )
-        return list(outcomes), {"timed_out": list(timed_out)}
+        n_late = sum(isinstance(o.error, ScoreTimeout) for o in outcomes)
+        if n_late:
+            logger.warning("prime: %d of %d samples timed out", n_late, len(samples))
+        return outcomes, {}
 
-
-def _collect(future: Future, pending: bool) -> tuple[ScoreOutcome, int]:
-    """``(outcome, timed_out)`` for one future; a timeout scores 0 and is not a scoring error."""
-    if pending:
-        return ScoreOutcome(result=0.0), 1
-    try:
-        was_timeout, result = future.result()
-    except Exception as exc:  # the scorer raised, or its worker died (BrokenProcessPool)
-        return ScoreOutcome(error=exc), 0
-    return (ScoreOutcome(result=0.0), 1) if was_timeout else (ScoreOutcome(result=result), 0)
+    def _collect(self, future: Future, late: str | None) -> ScoreOutcome:
+        """The outcome of one future; ``late``: the timeout message for a future still pending."""
+        if late is not None:
+            return ScoreOutcome(error=ScoreTimeout(late))
+        try:
+            was_timeout, result = future.result()
+        except Exception as exc:  # the scorer raised, or its worker died (BrokenProcessPool)
+            return ScoreOutcome(error=exc)
+        if was_timeout:
+            return ScoreOutcome(error=ScoreTimeout(timeout_message(self.score_timeout_s, False, None)))
+        return ScoreOutcome(result=result)
 
 
 def _shutdown(pool: ProcessPoolExecutor, kill: bool) -> None:

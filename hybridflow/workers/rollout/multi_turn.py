@@ -9,15 +9,20 @@ running batch while tools execute.
 Token-in, token-out: the conversation is kept as token ids. Generated tokens are appended as the
 engine returned them (mask 1); a tool turn is rendered with the model's chat template and only its
 new tokens are appended (mask 0), so the trained tokens are exactly the sampled ones. Bad tool calls
-(malformed JSON, unknown tool, missing arguments, a tool that raises or reports an error) become an
-error message in the tool turn and count in ``tool_failures``; the model's strings reach messages
-escaped (lone surrogates, NUL) and clipped, so the rollout never crashes on model output.
+(malformed JSON, unknown tool, missing arguments, a tool that raises or reports an error, a call that
+runs past ``tool_timeout_s``) become an error message in the tool turn and count in ``tool_failures``;
+the model's strings reach messages escaped (lone surrogates, NUL) and clipped, so the rollout never
+crashes on model output. The time limit cancels a tool that awaits (I/O, a subprocess, the Python
+tool's sandbox, which also has its own ``wall_timeout_s``); a tool that blocks the event loop in
+synchronous code cannot be cancelled, so tools must await or use ``asyncio.to_thread``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import logging
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -26,6 +31,7 @@ from hybridflow.workers.rollout.tools.base_tool import BaseTool
 from hybridflow.workers.rollout.tools.parser import ToolCall, ToolCallParser, short_repr
 
 PARSE_IN_THREAD_CHARS = 100_000  # longer assistant messages are parsed off the event loop
+logger = logging.getLogger(__name__)
 
 
 class TurnState(enum.Enum):
@@ -43,6 +49,7 @@ class MultiTurnLimits:
     max_parallel_calls: int = 1
     max_tool_response_length: int = 256  # characters of one tool response
     tool_response_truncate_side: str = "middle"  # left | right | middle
+    tool_timeout_s: float | None = 60.0  # one tool call (create + execute), calc_reward, release
 
     @classmethod
     def from_rollout_config(cls, config) -> MultiTurnLimits:
@@ -54,6 +61,7 @@ class MultiTurnLimits:
             max_parallel_calls=int(mt.get("max_parallel_calls", 1)),
             max_tool_response_length=int(mt.get("max_tool_response_length", 256)),
             tool_response_truncate_side=str(mt.get("tool_response_truncate_side", "middle")),
+            tool_timeout_s=mt.get("tool_timeout_s", 60.0),
         )
 
 
@@ -172,7 +180,7 @@ class ToolAgentLoop:
         self, prompt_ids: list[int], params: SamplingParams, tools_kwargs: dict | None = None
     ) -> Conversation:
         conv = Conversation(list(prompt_ids))
-        session = _ToolSession(self.tools, tools_kwargs or {})
+        session = _ToolSession(self.tools, tools_kwargs or {}, self.limits.tool_timeout_s)
         try:
             await self._converse(conv, params, session)
             conv.tool_reward += await session.rewards()
@@ -236,8 +244,10 @@ class ToolAgentLoop:
 class _ToolSession:
     """One sample's tool instances, created on first use with ``tools_kwargs[name]["create_kwargs"]``."""
 
-    def __init__(self, tools: dict[str, BaseTool], tools_kwargs: dict[str, Any]) -> None:
-        self.tools, self.tools_kwargs = tools, tools_kwargs
+    def __init__(
+        self, tools: dict[str, BaseTool], tools_kwargs: dict[str, Any], timeout_s: float | None = None
+    ) -> None:
+        self.tools, self.tools_kwargs, self.timeout_s = tools, tools_kwargs, timeout_s
         self.instances: dict[str, str] = {}
         self.step_rewards = 0.0
 
@@ -254,29 +264,46 @@ class _ToolSession:
         missing = tool.missing_arguments(call.arguments)
         if missing:
             return f"Error: tool {name} is missing required argument(s): {', '.join(missing)}", False
+        started = time.monotonic()
         try:
-            if call.name not in self.instances:
-                self.instances[call.name] = await tool.create(**self._kwargs(call.name, "create"))
-            text, reward, metrics = await tool.execute(
-                self.instances[call.name], call.arguments, **self._kwargs(call.name, "execute")
-            )
+            text, reward, metrics = await asyncio.wait_for(self._run(call, tool), self.timeout_s)
             reward = float(reward)
+        except TimeoutError as error:
+            if self.timeout_s is None or time.monotonic() - started < self.timeout_s:  # the tool's own
+                return f"Error: tool {name} failed: {type(error).__name__}: {error}", False
+            return f"Error: tool {name} did not finish within {self.timeout_s:g}s and was stopped", False
         except Exception as error:  # a broken tool is the model's feedback, not a crashed rollout
             return f"Error: tool {name} failed: {type(error).__name__}: {error}", False
         self.step_rewards += reward
         return str(text), not (isinstance(metrics, dict) and metrics.get("error"))
 
+    async def _run(self, call: ToolCall, tool: BaseTool) -> tuple:
+        if call.name not in self.instances:
+            self.instances[call.name] = await tool.create(**self._kwargs(call.name, "create"))
+        return await tool.execute(
+            self.instances[call.name], call.arguments, **self._kwargs(call.name, "execute")
+        )
+
     async def rewards(self) -> float:
         total = self.step_rewards
         for name, instance_id in self.instances.items():
-            total += float(
-                await self.tools[name].calc_reward(instance_id, **self._kwargs(name, "calc_reward"))
-            )
+            pending = self.tools[name].calc_reward(instance_id, **self._kwargs(name, "calc_reward"))
+            try:
+                total += float(await asyncio.wait_for(pending, self.timeout_s))
+            except TimeoutError:
+                raise TimeoutError(
+                    f"tool {name!r}: calc_reward did not return within "
+                    f"rollout.multi_turn.tool_timeout_s={self.timeout_s:g}s"
+                ) from None
         return total
 
     async def release(self) -> None:
         for name, instance_id in self.instances.items():
-            await self.tools[name].release(instance_id, **self._kwargs(name, "release"))
+            pending = self.tools[name].release(instance_id, **self._kwargs(name, "release"))
+            try:
+                await asyncio.wait_for(pending, self.timeout_s)
+            except TimeoutError:  # cleanup only: the rollout's result stands
+                logger.warning("tool %r: release did not return within %ss", name, self.timeout_s)
 
 
 def build_agent_loop(

@@ -21,6 +21,7 @@ from hybridflow.workers.reward_manager import (
     load_custom_reward_function,
 )
 from hybridflow.workers.reward_manager import prime as prime_module
+from hybridflow.workers.reward_manager.timeouts import TIMEOUT_SIGNAL
 
 SOURCE = "hybridflow/arithmetic"
 
@@ -215,11 +216,14 @@ def test_dapo_disabled_is_naive_and_enabled_needs_max_len(tokenizer):
 # ------------------------------------------------------------------------------------------- prime
 def test_prime_scores_in_parallel_and_times_out(tokenizer):
     data = make_batch(tokenizer, ["12", "19", "3", "4"], ["12", "19", "3", "5"])
-    manager = PrimeRewardManager(tokenizer, 0, compute_score=sleep_on_nine, num_processes=2, timeout_s=1.0)
+    manager = PrimeRewardManager(
+        tokenizer, 0, compute_score=sleep_on_nine, num_processes=2, score_timeout_s=1.0, on_score_error="zero"
+    )
     start = time.monotonic()
     out = manager(data, return_dict=True)
     assert time.monotonic() - start < 15
     assert out["reward_extra_info"]["timed_out"] == [0, 1, 0, 0]
+    assert out["reward_extra_info"]["score_error"] == [0, 1, 0, 0]
     assert out["reward_tensor"].sum(-1).tolist() == [1.0, 0.0, 1.0, 0.0]
     assert out["reward_extra_info"]["pid_marker"] == [1, None, 1, 1]
 
@@ -234,9 +238,9 @@ def test_prime_reports_scorer_errors_and_needs_picklable_scorers(tokenizer):
 
 
 def hang_with_alarm_blocked(data_source, solution_str, ground_truth, extra_info=None):
-    """Stands in for a scorer stuck in C code: SIGALRM cannot interrupt it."""
+    """Stands in for a scorer stuck in C code: no timeout signal can interrupt it."""
     if "9" in solution_str:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM, TIMEOUT_SIGNAL})
         time.sleep(60)
     return 1.0
 
@@ -245,7 +249,12 @@ def test_prime_backstop_kills_workers_stuck_beyond_the_alarm(tokenizer, monkeypa
     monkeypatch.setattr(prime_module, "BACKSTOP_GRACE_S", 1.0)
     data = make_batch(tokenizer, ["1", "9"], ["1", "9"])
     manager = PrimeRewardManager(
-        tokenizer, 0, compute_score=hang_with_alarm_blocked, num_processes=2, timeout_s=0.5
+        tokenizer,
+        0,
+        compute_score=hang_with_alarm_blocked,
+        num_processes=2,
+        score_timeout_s=0.5,
+        on_score_error="zero",
     )
     start = time.monotonic()
     out = manager(data, return_dict=True)
@@ -307,7 +316,7 @@ def test_build_reward_manager_from_verl_keys(tmp_path, tokenizer):
 def test_custom_function_from_file_runs_in_prime_workers(tmp_path, tokenizer):
     path = tmp_path / "file_reward.py"
     path.write_text(CUSTOM_SOURCE)
-    cfg = {"reward_manager": "prime", "reward_kwargs": {"num_processes": 2, "timeout_s": 10}}
+    cfg = {"reward_manager": "prime", "reward_kwargs": {"num_processes": 2}, "score_timeout_s": 10}
     manager = build_reward_manager(cfg, {"path": str(path), "name": "my_score"}, tokenizer, 0)
     reward = manager(make_batch(tokenizer, ["1", "2"], ["1", "2"]))
     assert math.isclose(reward.sum().item(), 0.5)
