@@ -25,6 +25,7 @@ from torch import nn
 from hybridflow import keys
 from hybridflow.protocol import DataProto
 from hybridflow.workers.lora import unwrap_peft
+from hybridflow.workers.shared_prefix import PackedBatch, gather_response_outputs, plan_packing
 
 
 def attended_span(attention_mask: torch.Tensor, prompt_len: int) -> tuple[int, int]:
@@ -47,9 +48,15 @@ def _takes_logits_to_keep(model_class: type) -> bool:
 def response_outputs(model: nn.Module, micro: DataProto) -> torch.Tensor:
     """Model outputs at the positions that predict the kept response tokens: ``(b, T_k, C)`` in fp32,
     ``T_k <= T_r`` (the response columns before the trimmed trailing padding; C = vocabulary for a
-    causal LM, 1 for a value head). Response column t of the batch is column t of the output."""
+    causal LM, 1 for a value head). Response column t of the batch is column t of the output.
+
+    Rows that share a prompt (GRPO's ``n`` responses) are computed packed, the prompt once per group,
+    when that costs fewer FLOPs (:mod:`hybridflow.workers.shared_prefix`); the outputs are the same."""
     prompt_len = micro.batch[keys.INPUT_IDS].shape[1] - micro.batch[keys.RESPONSES].shape[1]
     first, end = attended_span(micro.batch[keys.ATTENTION_MASK], prompt_len)
+    packed = plan_packing(micro, unwrap_peft(model).config, end - first)
+    if packed is not None:
+        return _packed_outputs(model, packed)
     kept_response_len = end - prompt_len
     extra = {}
     if _takes_logits_to_keep(type(unwrap_peft(model))):
@@ -62,6 +69,26 @@ def response_outputs(model: nn.Module, micro: DataProto) -> torch.Tensor:
         **extra,
     )
     return output.logits[:, -kept_response_len - 1 : -1, :].float()
+
+
+def _packed_outputs(model: nn.Module, packed: PackedBatch) -> torch.Tensor:
+    """``(b, T_k, C)`` outputs of the packed forward, gathered back to the rows."""
+    width = packed.input_ids.shape[1]
+    # Outputs are needed from the earliest prompt end on (the positions before predict nothing).
+    first_kept = int(packed.index[packed.valid].min()) if bool(packed.valid.any()) else width - 1
+    extra = {}
+    if _takes_logits_to_keep(type(unwrap_peft(model))):
+        extra["logits_to_keep"] = width - first_kept
+    else:
+        first_kept = 0
+    output = model(
+        input_ids=packed.input_ids,
+        attention_mask=packed.attention_mask,
+        position_ids=packed.position_ids,
+        use_cache=False,
+        **extra,
+    )
+    return gather_response_outputs(output.logits, packed, first_kept).float()
 
 
 def pad_responses(values: torch.Tensor, response_len: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch
 
 from hybridflow import keys as K
 from hybridflow.protocol import DataProto
+from hybridflow.utils.rollout_parity import compute_rollout_probs_diff, rollout_parity_metrics  # noqa: F401
 from hybridflow.utils.torch_functional import masked_var
 
 __all__ = [
@@ -305,38 +306,3 @@ def flatten_validation_metrics(data_src2var2metric2val: dict[str, dict[str, dict
                 core = var == core_var and name.startswith(("mean", "maj", "best")) and f"@{n_max}" in name
                 flat[f"{'val-core' if core else 'val-aux'}/{source}/{var}/{name}"] = value
     return flat
-
-
-def compute_rollout_probs_diff(
-    rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor, response_mask: torch.Tensor
-) -> dict[str, float]:
-    """``|exp(rollout_log_probs) - exp(old_log_probs)|`` over valid tokens: max, mean, std (unbiased).
-
-    All inputs (B, T_r). A large gap means the rollout engine and the trainer disagree numerically,
-    which biases the importance ratios of off-policy corrections.
-    """
-    diff = (rollout_log_probs.float().exp() - old_log_probs.float().exp()).abs()
-    diff = torch.masked_select(diff, response_mask.bool())
-    prefix = "training/rollout_probs_diff"
-    if diff.numel() == 0:
-        return {f"{prefix}_max": 0.0, f"{prefix}_mean": 0.0, f"{prefix}_std": 0.0}
-    return {
-        f"{prefix}_max": diff.max().item(),
-        f"{prefix}_mean": diff.mean().item(),
-        f"{prefix}_std": diff.std().item() if diff.numel() > 1 else 0.0,
-    }
-
-
-def rollout_parity_metrics(
-    rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor, response_mask: torch.Tensor
-) -> dict[str, float]:
-    """:func:`compute_rollout_probs_diff` plus the same gap in log-probabilities
-    (``training/rollout_log_probs_diff_max``/``_mean``), which is what parity tolerances bound."""
-    metrics = compute_rollout_probs_diff(rollout_log_probs, old_log_probs, response_mask)
-    log_diff = torch.masked_select(
-        (rollout_log_probs.double() - old_log_probs.double()).abs(), response_mask.bool()
-    )
-    empty = log_diff.numel() == 0
-    metrics["training/rollout_log_probs_diff_max"] = 0.0 if empty else log_diff.max().item()
-    metrics["training/rollout_log_probs_diff_mean"] = 0.0 if empty else log_diff.mean().item()
-    return metrics

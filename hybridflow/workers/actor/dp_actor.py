@@ -33,6 +33,7 @@ from hybridflow.algorithms import (
     kl_penalty,
 )
 from hybridflow.protocol import DataProto
+from hybridflow.utils.rollout_parity import rollout_parity_metrics
 from hybridflow.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 from hybridflow.workers.forward import pad_responses, response_outputs
 from hybridflow.workers.fsdp_utils import grad_norm_and_clip
@@ -50,14 +51,22 @@ def forward_response_logits(model: nn.Module, micro: DataProto, temperature: flo
 
 
 def response_log_probs(
-    model: nn.Module, micro: DataProto, temperature: float, with_entropy: bool = False
+    model: nn.Module,
+    micro: DataProto,
+    temperature: float,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(log_probs (b, T_r), entropy (b, T_r) | None)`` of ``micro[responses]``; 0 in the trimmed
-    trailing padding columns (outside ``response_mask``)."""
+    trailing padding columns (outside ``response_mask``). ``entropy_grad=False``: the entropy is only
+    reported, so it is computed off the autograd graph."""
     logits = forward_response_logits(model, micro, temperature)
     responses = micro.batch[keys.RESPONSES]
     log_probs = logprobs_from_logits(logits, responses[:, : logits.shape[1]])
-    entropy = pad_responses(entropy_from_logits(logits), responses.shape[1]) if with_entropy else None
+    entropy = None
+    if with_entropy:
+        entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+        entropy = pad_responses(entropy, responses.shape[1])
     return pad_responses(log_probs, responses.shape[1]), entropy
 
 
@@ -113,14 +122,20 @@ class DataParallelPPOActor:
     # ------------------------------------------------------------------ update
     def _micro_loss(
         self, micro: DataProto, temperature: float, info: GlobalBatchInfo
-    ) -> tuple[torch.Tensor, dict]:
-        """This micro-batch's share of the mini-batch loss (``info``: the mini-batch it belongs to)."""
+    ) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
+        """This micro-batch's share of the mini-batch loss (``info``: the mini-batch it belongs to),
+        its metrics, and — when they served as the old policy's — its log-probs (b, T_r), detached."""
         cfg = self.config
-        with_entropy = float(cfg.entropy_coeff) != 0
-        log_probs, entropy = self._forward(micro, temperature, with_entropy)
+        entropy_in_loss = float(cfg.entropy_coeff) != 0
+        # No old_log_probs: the trainer found this update's forward to be the old policy's (one PPO
+        # epoch, one mini-batch per step), so they are this forward's own log-probs, detached.
+        on_policy = keys.OLD_LOG_PROBS not in micro.batch.keys()
+        log_probs, entropy = response_log_probs(
+            self.module, micro, temperature, entropy_in_loss or on_policy, entropy_grad=entropy_in_loss
+        )
         mask = micro.batch[keys.RESPONSE_MASK].float()
         inputs = PolicyLossInputs(
-            old_log_prob=micro.batch[keys.OLD_LOG_PROBS],
+            old_log_prob=log_probs.detach() if on_policy else micro.batch[keys.OLD_LOG_PROBS],
             log_prob=log_probs,
             advantages=micro.batch[keys.ADVANTAGES],
             response_mask=mask,
@@ -136,17 +151,19 @@ class DataParallelPPOActor:
         loss = pg_loss
         metrics = {k: float(v) for k, v in metrics.items()}
         metrics["actor/pg_loss"] = float(pg_loss.detach())
-        if with_entropy:
+        if entropy_in_loss:
             entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode, *info)
             loss = loss - float(cfg.entropy_coeff) * entropy_loss
             metrics["actor/entropy"] = float(entropy_loss.detach())
+        elif on_policy:  # what the skipped old-log-prob pass would have reported: the token-mean entropy
+            metrics["actor/entropy"] = float(agg_loss(entropy, mask, "token-mean", *info))
         if cfg.use_kl_loss:
             kld = kl_penalty(log_probs, micro.batch[keys.REF_LOG_PROB], cfg.kl_loss_type)
             kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, *info)
             loss = loss + float(cfg.kl_loss_coef) * kl_loss
             metrics["actor/kl_loss"] = float(kl_loss.detach())
             metrics["actor/kl_coef"] = float(cfg.kl_loss_coef)
-        return loss, metrics
+        return loss, metrics, inputs.old_log_prob if on_policy else None
 
     def _optimizer_step(self, metrics: dict[str, list]) -> None:
         grad_norm = grad_norm_and_clip(self.module, float(self.config.grad_clip))
@@ -166,10 +183,14 @@ class DataParallelPPOActor:
             mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu
         )
         summed: dict[str, float] = {}
+        parity_parts = []
         for index, micro in enumerate(micros):
             self._set_grad_sync(index == len(micros) - 1)
-            loss, micro_metrics = self._micro_loss(micro, temperature, info)
+            loss, micro_metrics, old_log_probs = self._micro_loss(micro, temperature, info)
             loss.backward()
+            if old_log_probs is not None and keys.ROLLOUT_LOG_PROBS in micro.batch.keys():
+                rollout = micro.batch[keys.ROLLOUT_LOG_PROBS]
+                parity_parts.append((rollout, old_log_probs, micro.batch[keys.RESPONSE_MASK]))
             for key, value in micro_metrics.items():
                 if key in _SUMMED_METRICS:
                     summed[key] = summed.get(key, 0.0) + value
@@ -177,6 +198,10 @@ class DataParallelPPOActor:
                     metrics.setdefault(key, []).append(value)
         for key, value in summed.items():
             metrics.setdefault(key, []).append(value)
+        if parity_parts:  # the engine's log-probs against the ones this update used as the old policy's
+            rollout, current, mask = (torch.cat(parts) for parts in zip(*parity_parts, strict=True))
+            for key, value in rollout_parity_metrics(rollout, current, mask).items():
+                metrics.setdefault(key, []).append(value)
 
     def update_policy(self, data: DataProto) -> dict[str, list]:
         """PPO epochs over mini-batches of ``data`` (needs responses, input_ids, attention_mask,

@@ -180,7 +180,14 @@ def test_training_log_probs_use_rollout_temperature_after_greedy_validation(
     tiny_model_dir, arithmetic_data, tmp_path
 ):
     config = _config(
-        tiny_model_dir, arithmetic_data, tmp_path, **{"actor_rollout_ref.rollout.temperature": 0.7}
+        tiny_model_dir,
+        arithmetic_data,
+        tmp_path,
+        **{
+            "actor_rollout_ref.rollout.temperature": 0.7,
+            # the separate old-log-prob pass is what is checked here (not the on-policy shortcut)
+            "actor_rollout_ref.actor.reuse_update_log_probs": False,
+        },
     )
     assert config.actor_rollout_ref.rollout.val_kwargs.temperature == 0
     with gloo_group(), _trainer(config) as trainer:
