@@ -163,6 +163,28 @@ def compute_throughput_metrics(
 compute_throughout_metrics = compute_throughput_metrics  # verl's spelling, for ported code
 
 
+def compute_overhead_metrics(timing_raw: dict[str, float], metrics: dict[str, float]) -> dict[str, float]:
+    """What the single controller costs on top of the workers' own compute, as shares of the step:
+
+    - ``perf/dispatch_overhead_s`` / ``_frac``: for the rollout and the actor update, the driver's wall
+      for the call minus the slowest worker's own time (``generate_sequences`` + ``update_weights``;
+      ``update_actor_worker``) — serialisation, Ray round trips and stragglers' idle time;
+    - ``perf/weight_sync_frac``: the hybrid engine's weight sync (``update_weights``) over the step.
+    """
+    step = float(timing_raw.get("step", 0.0)) or float("nan")
+    overhead = 0.0
+    if "generate_call" in timing_raw and "generate_sequences" in timing_raw:
+        worker = timing_raw["generate_sequences"] + timing_raw.get("update_weights", 0.0)
+        overhead += max(0.0, timing_raw["generate_call"] - worker)
+    if "update_actor" in timing_raw and "timing_s/update_actor_worker" in metrics:
+        overhead += max(0.0, timing_raw["update_actor"] - metrics["timing_s/update_actor_worker"])
+    return {
+        "perf/dispatch_overhead_s": overhead,
+        "perf/dispatch_overhead_frac": overhead / step,
+        "perf/weight_sync_frac": timing_raw.get("update_weights", 0.0) / step,
+    }
+
+
 def reduce_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     """Reduce each list of values (e.g. one per micro-batch or rank) to one number, as verl does.
 

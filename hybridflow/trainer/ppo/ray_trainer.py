@@ -169,6 +169,7 @@ class RayPPOTrainer:
         metrics.update(metric_utils.compute_data_metrics(batch, use_critic=self.use_critic))
         metrics.update(metric_utils.compute_timing_metrics(batch, timing))
         metrics.update(metric_utils.compute_throughput_metrics(batch, timing, n_workers=self.wg.world_size))
+        metrics.update(metric_utils.compute_overhead_metrics(timing, metrics))
         metrics.update(self.wg.mfu_metrics(batch, timing))
         metrics["training/global_step"] = self.global_steps
         return metrics
@@ -399,7 +400,8 @@ def rollout_with_uids(
         batch_keys=PROMPT_INPUT_KEYS, non_tensor_batch_keys=tools_kwargs, meta_info_keys=[]
     )
     gen_input.meta_info = dict(meta_info)
-    output = actor_rollout.generate_sequences(gen_input)
+    with marked_timer("generate_call", timing):  # the driver's wall for the call (dispatch included)
+        output = actor_rollout.generate_sequences(gen_input)
     for key, values in output.meta_info.pop("metrics", {}).items():
         if "/" not in key:  # phase seconds, averaged over ranks -> timing_s/<key>
             timing[key] = sum(values) / len(values)

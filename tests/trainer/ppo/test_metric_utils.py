@@ -238,3 +238,21 @@ def test_rollout_probs_diff():
     assert m["training/rollout_probs_diff_max"] == pytest.approx(0.3)
     assert m["training/rollout_probs_diff_mean"] == pytest.approx(0.4 / 3)
     assert m["training/rollout_probs_diff_std"] == pytest.approx(math.sqrt(0.07 / 3), rel=1e-5)
+
+
+def test_overhead_metrics_are_driver_wall_minus_worker_time():
+    from hybridflow.trainer.ppo.metric_utils import compute_overhead_metrics
+
+    timing = {
+        "step": 2.0,
+        "generate_call": 0.5,
+        "generate_sequences": 0.38,
+        "update_weights": 0.02,
+        "update_actor": 1.2,
+        "gen": 0.6,
+    }
+    out = compute_overhead_metrics(timing, {"timing_s/update_actor_worker": 1.1})
+    # (0.5 - 0.40) + (1.2 - 1.1) = 0.2 s of a 2 s step; weight sync 0.02 / 2
+    assert out["perf/dispatch_overhead_s"] == pytest.approx(0.2)
+    assert out["perf/dispatch_overhead_frac"] == pytest.approx(0.1)
+    assert out["perf/weight_sync_frac"] == pytest.approx(0.01)
