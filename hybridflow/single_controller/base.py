@@ -81,14 +81,39 @@ class _ConcatUnpad:
 
 
 class GroupFuture:
-    """The pending result of a non-blocking group call that does not return DataProtos."""
+    """The pending result of a non-blocking group call that does not return DataProtos.
+
+    ``group``, ``method`` and ``rank_refs`` (``{rank: backend future}`` of the collected ranks) let a
+    caller wait on several calls at once (``hybridflow.single_controller.ray.wait_futures``)."""
 
     def __init__(self, group: WorkerGroup, method: str, futures: dict[int, Any], finish: Callable) -> None:
-        self._group, self._method, self._futures, self._finish = group, method, futures, finish
+        self.group, self.method, self.rank_refs, self._finish = group, method, futures, finish
+
+    def finish(self, outputs: dict[int, Any]):
+        """The call's result from ``{rank: output}`` of the collected ranks."""
+        return self._finish([outputs[rank] for rank in self.rank_refs])
 
     def get(self):
-        outputs = self._group._gather(self._futures, self._method)
-        return self._finish([outputs[rank] for rank in self._futures])
+        return self.finish(self.group._gather(self.rank_refs, self.method))
+
+
+class GroupDataProtoFuture(DataProtoFuture):
+    """A :class:`DataProtoFuture` that remembers the group call it came from, so waiting on it reports
+    a failed or dead rank as the group does (group, rank, pid, method). Pickled (passed to another
+    group whole) it travels as a plain ``DataProtoFuture``."""
+
+    def __init__(self, group: WorkerGroup, method: str, rank_refs: dict[int, Any], collect_fn) -> None:
+        super().__init__(list(rank_refs.values()), collect_fn=collect_fn)
+        self.group, self.method, self.rank_refs = group, method, dict(rank_refs)
+
+    def finish(self, outputs: dict[int, Any]) -> DataProto:
+        return self.collect_fn([outputs[rank] for rank in self.rank_refs])
+
+    def get(self) -> DataProto:
+        return self.finish(self.group._gather(self.rank_refs, self.method))
+
+    def __reduce__(self):
+        return DataProtoFuture, (self.futures, self.collect_fn, self.dispatch_fn)
 
 
 class WorkerGroup:
@@ -167,7 +192,7 @@ class WorkerGroup:
             padding = any(
                 isinstance(a, DataProto) and a.is_padding_enabled() for a in (*args, *kwargs.values())
             )
-            return DataProtoFuture(list(collected.values()), collect_fn=_ConcatUnpad(pad_size, padding))
+            return GroupDataProtoFuture(self, method, collected, _ConcatUnpad(pad_size, padding))
         return GroupFuture(self, method, collected, lambda outs: mode.collect_fn(self, outs))
 
     def query_dispatch_info(self, mesh_name: str) -> tuple[list[int], list[bool]]:

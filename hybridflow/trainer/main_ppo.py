@@ -37,10 +37,11 @@ def main(config: DictConfig) -> None:
 
 def one_line_errors() -> tuple[type[BaseException], ...]:
     """Errors whose message names what failed, where, and what to do."""
+    from hybridflow.trainer.ppo.workers_setup import NodeLostError
     from hybridflow.utils.checkpoint.preflight import CheckpointDirError, CheckpointSaveError
     from hybridflow.workers.reward_manager import RewardScoreError
 
-    return CheckpointDirError, CheckpointSaveError, RewardScoreError
+    return CheckpointDirError, CheckpointSaveError, RewardScoreError, NodeLostError
 
 
 def run_ppo(config: DictConfig, worker_groups=None) -> dict[str, float]:
@@ -49,24 +50,30 @@ def run_ppo(config: DictConfig, worker_groups=None) -> dict[str, float]:
     here, and a Ray instance started here, are shut down before it returns or raises."""
     import torch
 
+    from hybridflow.placement.planner import resolve_auto_placement
+    from hybridflow.single_controller.ray import WorkerDiedError
     from hybridflow.trainer.config import validate_config
     from hybridflow.trainer.config.honesty import startup_notes
     from hybridflow.trainer.ppo.checkpointing import TrainerCheckpointer
     from hybridflow.trainer.ppo.workers_setup import ensure_ray
+    from hybridflow.utils.checkpoint.preflight import CheckpointSaveError
 
     OmegaConf.resolve(config)
     validate_config(config)
-    for note in startup_notes(config):  # settings that run as something other than their name
+    for note in startup_notes(config) + resolve_auto_placement(config):  # (and the planner's choice)
         print(f"hybridflow: {note}", flush=True)
     torch.set_num_threads(1)  # the driver only moves batches and does light maths
     TrainerCheckpointer(config.trainer).preflight(config)  # a bad checkpoint dir fails in seconds
     started_ray = ensure_ray(config.ray_init)
-    stop, trainer = StopRequest(), None
+    stop, trainer, groups = StopRequest(), None, worker_groups
     with stop:  # from here SIGTERM/SIGINT finish the step, save, stop (trainer/ppo/preemption.py)
         try:
-            trainer = build_trainer(config, worker_groups)
+            if groups is None:  # the worker processes start now; data, tokenizer and reward load meanwhile
+                groups = start_worker_groups(config)
+            trainer = build_trainer(config, groups)
             trainer.stop = stop
             trainer.init_workers()
+            print(f"hybridflow: ready to train {seconds_since_process_start():.1f} s after start", flush=True)
             return trainer.fit()
         except TrainingPreempted as err:
             if err.abandoned:  # raised by the second signal's handler: say where the run stands
@@ -74,6 +81,13 @@ def run_ppo(config: DictConfig, worker_groups=None) -> dict[str, float]:
                 latest = TrainerCheckpointer(config.trainer).latest()
                 raise TrainingPreempted(err.signum, step, latest, True) from None
             raise
+        except (WorkerDiedError, CheckpointSaveError) as err:  # a lost node: name it and its roles
+            from hybridflow.trainer.ppo.workers_setup import node_lost_error
+
+            lost = node_lost_error(err, groups, TrainerCheckpointer(config.trainer).latest())
+            if lost is None:
+                raise
+            raise lost from err
         finally:
             stop.shield()  # the clean-up below is short: later signals do not cut it
             try:
@@ -82,16 +96,33 @@ def run_ppo(config: DictConfig, worker_groups=None) -> dict[str, float]:
                     _plot(config, trainer.tracker)
                 write_ray_timeline(config.ray_init.get("timeline_json_file"))
             finally:
-                _shut_down(trainer, owns_workers=worker_groups is None, owns_ray=started_ray)
+                _shut_down(groups if worker_groups is None else None, owns_ray=started_ray)
 
 
-def _shut_down(trainer, owns_workers: bool, owns_ray: bool) -> None:
+def seconds_since_process_start() -> float:
+    """Wall seconds since this process started (interpreter start-up and imports included)."""
+    import time
+
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
+
+
+def start_worker_groups(config: DictConfig):
+    """The run's worker groups, created without waiting for their processes to come up."""
+    from hybridflow.trainer.ppo.ray_trainer import need_critic, need_reference
+    from hybridflow.trainer.ppo.workers_setup import build_worker_groups
+
+    return build_worker_groups(config, need_critic(config), need_reference(config))
+
+
+def _shut_down(own_groups, owns_ray: bool) -> None:
     """Stop the workers built here and the Ray instance started here; never masks the run's error."""
     from hybridflow.trainer.ppo.workers_setup import shutdown_ray
 
     steps = []
-    if owns_workers and trainer is not None and trainer.wg is not None:
-        steps.append(("the worker groups", trainer.wg.shutdown))
+    if own_groups is not None:
+        steps.append(("the worker groups", own_groups.shutdown))
     if owns_ray:
         steps.append(("Ray", shutdown_ray))
     for what, step in steps:

@@ -135,3 +135,25 @@ class CriticRole(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def values(self, data: DataProto) -> DataProto:
         return DataProto.from_dict({"v": data.batch["x"] - 1})
+
+
+class NapWorker(Worker):
+    """No process group: naps and reports when (wall clock), to see calls overlap or queue."""
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def nap(self, data: DataProto) -> DataProto:
+        start = time.time()
+        time.sleep(float(data.meta_info["seconds"]))
+        n = len(data)
+        return DataProto.from_dict(
+            {
+                "start": torch.full((n,), start, dtype=torch.float64),
+                "end": torch.full((n,), time.time(), dtype=torch.float64),
+            }
+        )
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def nap_all(self, seconds: float) -> tuple[float, float]:
+        start = time.time()
+        time.sleep(seconds)
+        return start, time.time()

@@ -5,6 +5,7 @@ from hybridflow.single_controller.ray.base import (
     RayResourcePool,
     RayWorkerGroup,
     WorkerDiedError,
+    wait_futures,
 )
 from hybridflow.single_controller.ray.colocate import create_colocated_worker_cls
 
@@ -13,5 +14,6 @@ __all__ = [
     "RayResourcePool",
     "RayWorkerGroup",
     "WorkerDiedError",
+    "wait_futures",
     "create_colocated_worker_cls",
 ]

@@ -21,12 +21,30 @@ from ray.util.scheduling_strategies import (
 )
 
 from hybridflow.single_controller.base import ClassWithInitArgs, ResourcePool, WorkerGroup
+from hybridflow.single_controller.ray.nodes import (
+    NodeInfo,
+    find_dead_worker,
+    looks_like_lost_peer,
+    node_info,
+    pin_to_node,
+    schedulable_nodes,
+)
 from hybridflow.single_controller.worker import find_free_port
 from hybridflow.utils.device import worker_env
 
 
 class WorkerDiedError(RuntimeError):
-    """A worker process of a group died (killed, crashed, out of memory) during a call."""
+    """A worker process of a group died (killed, crashed, out of memory) during a call. ``node`` is
+    the node it ran on (a :class:`~.nodes.NodeInfo`, ``alive=False`` when the whole node left the
+    cluster), or None when unknown."""
+
+    def __init__(self, message: str, node: NodeInfo | None = None) -> None:
+        super().__init__(message)
+        self.node = node
+
+    @property
+    def node_lost(self) -> bool:
+        return self.node is not None and not self.node.alive
 
 
 class RayResourcePool(ResourcePool):
@@ -48,6 +66,7 @@ class RayResourcePool(ResourcePool):
         self.name_prefix = f"{name_prefix or 'pool'}_{uuid.uuid4().hex[:6]}"
         self.ready_timeout_s = ready_timeout_s
         self._placement_groups: list[PlacementGroup] | None = None
+        self._bundle_nodes: list[str] | None = None
 
     def bundle(self) -> dict[str, float]:
         resources = {"CPU": self.cpus_per_process}
@@ -56,21 +75,51 @@ class RayResourcePool(ResourcePool):
         return resources
 
     def get_placement_groups(self, strategy: str = "STRICT_PACK") -> list[PlacementGroup]:
-        """Create (once) and wait for the placement groups; a clear error if they cannot be placed."""
+        """Create (once) and wait for the placement groups; a clear error if they cannot be placed.
+
+        On a multi-node cluster, entry ``i`` of ``process_on_nodes`` is pinned to node ``i`` of
+        :func:`~.nodes.schedulable_nodes` (the same order for every pool)."""
         if self._placement_groups is None:
+            nodes = schedulable_nodes(self.bundle())
+            if len(self.process_on_nodes) > max(len(nodes), 1):
+                raise RuntimeError(
+                    f"resource pool {self.name_prefix!r} asks for {len(self.process_on_nodes)} nodes "
+                    f"({self.process_on_nodes} workers) but the Ray cluster has {len(nodes)} alive node(s) "
+                    f"with {self.bundle()} to spare per worker: start more nodes (ray start) or lower "
+                    "trainer.nnodes"
+                )
             groups = [
-                placement_group([self.bundle()] * n, strategy=strategy, name=f"{self.name_prefix}_node{i}")
+                placement_group(
+                    [self.bundle()] * n,
+                    strategy=strategy,
+                    name=f"{self.name_prefix}_node{i}",
+                    **(pin_to_node(nodes[i].node_id, n) if len(nodes) > 1 else {}),
+                )
                 for i, n in enumerate(self.process_on_nodes)
             ]
             for i, pg in enumerate(groups):
                 if not pg.wait(timeout_seconds=self.ready_timeout_s):
+                    where = f" on {nodes[i].describe()}" if len(nodes) > 1 else ""
                     raise RuntimeError(
-                        f"resource pool {self.name_prefix!r}: placement group for node {i} "
+                        f"resource pool {self.name_prefix!r}: placement group for node {i}{where} "
                         f"({self.process_on_nodes[i]} x {self.bundle()}) not ready after "
                         f"{self.ready_timeout_s}s; cluster resources: {ray.available_resources()}"
                     )
             self._placement_groups = groups
+            # Recorded now: after a node failure Ray reschedules the bundles and the table changes.
+            self._bundle_nodes = [
+                ray.util.placement_group_table(pg)["bundles_to_node_id"][b]
+                for pg, n in zip(groups, self.process_on_nodes, strict=True)
+                for b in range(n)
+            ]
         return self._placement_groups
+
+    @property
+    def rank_node_ids(self) -> list[str]:
+        """The node id of each worker rank's bundle (after :meth:`get_placement_groups`)."""
+        if self._bundle_nodes is None:
+            self.get_placement_groups()
+        return list(self._bundle_nodes)
 
     def release(self) -> None:
         """Return the reserved resources to the cluster (after the pool's worker groups are shut down)."""
@@ -141,6 +190,7 @@ class RayWorkerGroup(WorkerGroup):
         env: dict[str, str] | None = None,
         _workers: list | None = None,
         _role: str | None = None,
+        _process_info_refs: dict | None = None,
     ) -> None:
         super().__init__(name_prefix or f"wg_{uuid.uuid4().hex[:6]}", role=_role)
         self.ray_cls_with_init = ray_cls_with_init
@@ -148,7 +198,13 @@ class RayWorkerGroup(WorkerGroup):
         if _workers is None:
             _workers = self._spawn(resource_pool, ray_cls_with_init, num_threads, env or {})
         self._workers = _workers
-        self._process_info = self.execute_all("process_info")
+        # Asked now, read on first use: creating the group does not wait for the processes to start
+        # (the driver's own set-up overlaps their imports), and the answer is queued ahead of any
+        # later call, so reading it never waits behind a long-running method.
+        self._process_info: list[dict] | None = None
+        self._process_info_refs = _process_info_refs or {
+            rank: self._submit(rank, "process_info", (), {}) for rank in range(len(_workers))
+        }
         self._bind_worker_methods(ray_cls_with_init.cls, role=_role)
 
     @property
@@ -160,13 +216,21 @@ class RayWorkerGroup(WorkerGroup):
         return list(self._workers)
 
     @property
+    def process_info(self) -> list[dict]:
+        """Each rank's ``Worker.process_info()`` (waits for the workers to be up, once)."""
+        if self._process_info is None:
+            outputs = self._gather(self._process_info_refs, "process_info")
+            self._process_info = [outputs[rank] for rank in range(self.world_size)]
+        return self._process_info
+
+    @property
     def worker_pids(self) -> list[int]:
-        return [info["pid"] for info in self._process_info]
+        return [info["pid"] for info in self.process_info]
 
     @property
     def device_names(self) -> list[str]:
         """Each rank's device as it reports it (``cpu``, or the GPU's name)."""
-        return [info.get("device_name", "cpu") for info in self._process_info]
+        return [info.get("device_name", "cpu") for info in self.process_info]
 
     # ------------------------------------------------------------------ spawning
     def _spawn(
@@ -218,6 +282,7 @@ class RayWorkerGroup(WorkerGroup):
                 name_prefix=f"{self.name}/{role}",
                 _workers=self._workers,
                 _role=role,
+                _process_info_refs=self._process_info_refs,
             )
             for role in prefix_set
         }
@@ -246,10 +311,40 @@ class RayWorkerGroup(WorkerGroup):
             return ray.get(ref)
         except ray.exceptions.RayTaskError as err:
             cause = err.as_instanceof_cause()
+            # a collective that lost its peer: report the peer that died (and its node), not the symptom
+            dead = (
+                find_dead_worker(self._workers, self._rank_node_ids())
+                if looks_like_lost_peer(cause)
+                else None
+            )
+            if dead is not None:
+                symptom = next(line for line in str(cause).splitlines() if looks_like_lost_peer(line))
+                seen = f"rank {rank} saw {type(cause).__name__}: {symptom.strip()[:300]}"
+                raise self._died(dead[0], method, seen, dead[1]) from cause
             cause.add_note(f"raised in {where}, method {method!r}")
             raise cause from None
         except ray.exceptions.RayActorError as err:
-            raise WorkerDiedError(f"{where} died during {method!r}: {err.__class__.__name__}: {err}") from err
+            # which worker is gone, and whether its node went with it (an unreachable worker is
+            # "unavailable" until Ray's health checks declare its node dead)
+            dead = find_dead_worker(self._workers, self._rank_node_ids()) or (rank, self.rank_node(rank))
+            raise self._died(dead[0], method, f"{err.__class__.__name__}: {err}", dead[1]) from err
+
+    def _died(self, rank: int, method: str, detail: str, node: NodeInfo | None) -> WorkerDiedError:
+        where = f"worker group {self.name!r} rank {rank}"
+        if getattr(self, "_process_info", None):
+            where += f" (pid {self._process_info[rank]['pid']})"
+        if node is not None and not node.alive:
+            where += f" on node {node.describe()}, which left the Ray cluster,"
+        return WorkerDiedError(f"{where} died during {method!r}: {detail}", node=node)
+
+    def _rank_node_ids(self) -> list[str] | None:
+        pool = self.resource_pool
+        return pool.rank_node_ids if pool is not None and pool._bundle_nodes is not None else None
+
+    def rank_node(self, rank: int) -> NodeInfo | None:
+        """The node ``rank`` was placed on, as the cluster sees it now (None if unknown)."""
+        node_ids = self._rank_node_ids()
+        return node_info(node_ids[rank]) if node_ids else None
 
     def shutdown(self, release_resources: bool = True) -> None:
         """Kill the group's worker processes (also for role views: they share the processes) and, by
@@ -258,3 +353,20 @@ class RayWorkerGroup(WorkerGroup):
             ray.kill(worker, no_restart=True)
         if release_resources and self.resource_pool is not None:
             self.resource_pool.release()
+
+
+def wait_futures(futures: list, on_ready=None) -> list:
+    """Results of several non-blocking group calls (``GroupFuture`` / ``GroupDataProtoFuture``, e.g.
+    from different worker groups), waited on together. ``on_ready(i)`` is called the moment call
+    ``i`` has every rank's output. The first failure of any rank is raised at once, reported as its
+    group reports it (a dead rank must not leave the driver waiting on the others)."""
+    pending = {ref: (i, rank) for i, f in enumerate(futures) for rank, ref in f.rank_refs.items()}
+    outputs: list[dict] = [{} for _ in futures]
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        for ref in ready:
+            i, rank = pending.pop(ref)
+            outputs[i][rank] = futures[i].group._get_one(ref, rank, futures[i].method)
+            if len(outputs[i]) == len(futures[i].rank_refs) and on_ready is not None:
+                on_ready(i)
+    return [f.finish(out) for f, out in zip(futures, outputs, strict=True)]

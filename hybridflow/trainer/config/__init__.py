@@ -19,7 +19,16 @@ CONFIG_DIR = Path(__file__).parent  # the YAML files live beside this module
 
 # Sections whose content is free-form (passed through to a model config, an engine, a manager).
 FREE_FORM_KEYS = frozenset(
-    {"override_config", "engine_kwargs", "reward_kwargs", "mixed_precision", "wrap_policy", "custom_cls"}
+    {
+        "override_config",
+        "engine_kwargs",
+        "reward_kwargs",
+        "mixed_precision",
+        "wrap_policy",
+        "custom_cls",
+        "resource_pool_spec",
+        "role_pool_mapping",
+    }
 )
 
 
@@ -73,6 +82,7 @@ def validate_config(config: DictConfig) -> None:
 
     checks = (
         _check_files,
+        _check_placement,
         _check_batch_sizes,
         _check_names,
         _check_device,
@@ -111,43 +121,21 @@ def _check_files(config: DictConfig) -> list[str]:
     return problems
 
 
-def _divides(problems: list[str], what: str, value: int, by: int, by_what: str) -> None:
-    if by <= 0 or value % by:
-        problems.append(f"{what}={value} is not divisible by {by_what}={by}")
+def _check_placement(config: DictConfig) -> list[str]:
+    from hybridflow.placement.spec import placement_problems
+
+    return placement_problems(config)
 
 
 def _check_batch_sizes(config: DictConfig) -> list[str]:
-    problems: list[str] = []
-    workers = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
-    n = int(config.actor_rollout_ref.rollout.n)
-    train_bsz = int(config.data.train_batch_size)
-    actor = config.actor_rollout_ref.actor
-    _divides(problems, "data.train_batch_size x rollout.n", train_bsz * n, workers, "worker processes")
-    _divides(
-        problems,
-        "data.train_batch_size",
-        train_bsz,
-        int(actor.ppo_mini_batch_size),
-        "actor.ppo_mini_batch_size",
-    )
-    sections = [("actor_rollout_ref.actor", actor)]
-    from hybridflow.trainer.ppo.ray_trainer import need_critic
+    """Batch sizes split evenly over each role's workers (its pool: ``trainer.placement``)."""
+    from hybridflow.placement.spec import batch_problems, placement_from_config, placement_problems
 
-    if need_critic(config):
-        sections.append(("critic", config.critic))
-    for name, section in sections:
-        responses = int(section.ppo_mini_batch_size) * n
-        _divides(problems, f"{name}.ppo_mini_batch_size x rollout.n", responses, workers, "worker processes")
-        micro = section.get("ppo_micro_batch_size_per_gpu")
-        if not section.use_dynamic_bsz and micro and responses % workers == 0:
-            _divides(
-                problems,
-                f"{name} mini-batch per worker",
-                responses // workers,
-                int(micro),
-                f"{name}.ppo_micro_batch_size_per_gpu",
-            )
-    return problems
+    if placement_problems(config):  # reported by _check_placement
+        return []
+    if config.trainer.placement == "auto" and not config.trainer.resource_pool_spec:
+        return []  # the planner only proposes placements these sizes divide
+    return batch_problems(config, placement_from_config(config))
 
 
 def _check_names(config: DictConfig) -> list[str]:

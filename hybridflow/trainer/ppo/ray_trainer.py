@@ -4,10 +4,14 @@ The driver holds no model. It moves ``DataProto`` batches between worker groups 
 actor/rollout/reference group, the critic, the optional reward model — and runs the cheap maths
 (rewards from rule functions, advantages, KL control) itself::
 
-    prompts ─ generate ─ reward ─ old_log_prob ─ ref_log_prob ─ values ─ advantage
-            ─ update_critic ─ update_actor
+    prompts ─ generate ─┬ reward ──────┬ advantage ─┬ update_critic
+                        ├ old_log_prob ┤            └ update_actor
+                        ├ ref_log_prob ┤
+                        └ values ──────┘
 
-Each phase is a method taking and returning a DataProto, timed as ``timing_s/<phase>``.
+Each phase is a method taking and returning a DataProto, timed as ``timing_s/<phase>``. Phases in one
+column read nothing of each other and are issued together (:mod:`.concurrent_phases`): they overlap
+when their roles are on different resource pools (``trainer.placement``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from hybridflow.algorithms import (
 from hybridflow.protocol import AUTO_PADDING_KEY, DataProto
 from hybridflow.trainer.ppo import metric_utils
 from hybridflow.trainer.ppo.checkpointing import TrainerCheckpointer
+from hybridflow.trainer.ppo.concurrent_phases import Phase, run_phases
 from hybridflow.trainer.ppo.dynamic_sampling import GroupFilter
 from hybridflow.trainer.ppo.preemption import StopRequest, TrainingPreempted
 from hybridflow.trainer.ppo.workers_setup import WorkerGroups, build_worker_groups
@@ -91,13 +96,16 @@ class RayPPOTrainer:
         # rollout.use_rollout_log_probs: whether (and when) the engine's log-probs last matched a recompute
         self.log_prob_parity = LogProbParity()
         self.old_log_probs_from_update = update_computes_old_log_probs(config)
+        self.concurrent_phases = bool(config.trainer.get("concurrent_phases", True))
 
     # ------------------------------------------------------------------ setup
     def init_workers(self) -> None:
-        """Spawn the colocated worker groups (one process per device) and load the models."""
+        """Spawn the worker groups (one process per device of each pool) and load the models."""
         if self.wg is None:
             self.wg = build_worker_groups(self.config, self.use_critic, self.use_reference)
         self.wg.init_models()
+        for line in self.wg.describe():
+            print(f"hybridflow: {line}", flush=True)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
@@ -148,27 +156,19 @@ class RayPPOTrainer:
             if self.config.trainer.balance_batch:
                 self.balance_batch(batch, metrics)
             batch.meta_info["global_token_num"] = batch.batch[keys.ATTENTION_MASK].sum(dim=-1).tolist()
-            with marked_timer("old_log_prob", timing):
-                batch = self.compute_old_log_prob(batch, metrics)
-            if self.use_reference:
-                with marked_timer("ref", timing):
-                    batch = self.compute_ref_log_prob(batch)
-            if self.use_critic:
-                with marked_timer("values", timing):
-                    batch = self.compute_values(batch)
+            # reward, old/reference log-probs and values read only the rollout: issued together
+            batch = self.prepare_experience(batch, metrics, timing)
             with marked_timer("adv", timing):
                 batch = self.compute_advantage(batch, metrics)
-            if self.use_critic:
-                with marked_timer("update_critic", timing):
-                    metrics.update(self.update_critic(batch))
-            if self.global_steps > self.config.trainer.critic_warmup:
-                with marked_timer("update_actor", timing):
-                    metrics.update(self.update_actor(batch))
+            # the critic and the actor update read the same advantages and nothing of each other
+            metrics.update(self.update_models(batch, timing))
         self.dump_rollouts(batch)
         batch.meta_info["max_prompt_length"] = int(self.config.data.max_prompt_length)
         metrics.update(metric_utils.compute_data_metrics(batch, use_critic=self.use_critic))
         metrics.update(metric_utils.compute_timing_metrics(batch, timing))
-        metrics.update(metric_utils.compute_throughput_metrics(batch, timing, n_workers=self.wg.world_size))
+        metrics.update(
+            metric_utils.compute_throughput_metrics(batch, timing, n_workers=self.wg.total_workers)
+        )
         metrics.update(metric_utils.compute_overhead_metrics(timing, metrics))
         metrics.update(self.wg.mfu_metrics(batch, timing))
         metrics["training/global_step"] = self.global_steps
@@ -176,24 +176,28 @@ class RayPPOTrainer:
 
     # ------------------------------------------------------------------ phases
     def collect_rollouts(self, data_iter, metrics: dict, timing: dict) -> DataProto:
-        """Generate ``rollout.n`` responses per prompt and score them. With DAPO dynamic sampling,
-        keep generating until enough prompt groups have non-zero reward variance."""
-        batch = self.generate_and_score(next(data_iter), metrics, timing)
+        """Generate ``rollout.n`` responses per prompt. With DAPO dynamic sampling they are scored
+        here, and generation goes on until enough prompt groups have non-zero reward variance;
+        otherwise scoring is one of :meth:`prepare_experience`'s phases."""
         if self.group_filter is None:
-            return batch
+            return self.generate_with_baselines(next(data_iter), metrics, timing)
         return self.group_filter.fill(
-            batch,
+            self.generate_and_score(next(data_iter), metrics, timing),
             lambda: self.generate_and_score(next(data_iter), metrics, timing),
             self.config.data.train_batch_size,
             metrics,
         )
 
     def generate_and_score(self, prompts: DataProto, metrics: dict, timing: dict) -> DataProto:
-        """Generate and score one batch of prompts; ReMax also scores a greedy response per prompt."""
+        """Generate and score one batch of prompts."""
+        return self.compute_reward(self.generate_with_baselines(prompts, metrics, timing), metrics, timing)
+
+    def generate_with_baselines(self, prompts: DataProto, metrics: dict, timing: dict) -> DataProto:
+        """Generate one batch of prompts; ReMax also scores a greedy response per prompt."""
         baselines = None
         if self.use_greedy_baseline:
             baselines = self.greedy_reward_baselines(prompts, timing, metrics)
-        batch = self.compute_reward(self.generate(prompts, timing, metrics), metrics, timing)
+        batch = self.generate(prompts, timing, metrics)
         if baselines is not None:
             batch.batch[keys.REWARD_BASELINES] = baselines
         return batch
@@ -221,16 +225,28 @@ class RayPPOTrainer:
 
     def compute_reward(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
         """``token_level_scores`` (B, T_r): reward-model scores and/or the rule reward function."""
-        with marked_timer("reward", timing):
-            if self.config.reward_model.enable:
-                batch = batch.union(self.wg.reward_model.compute_rm_score(batch))
-            result = self.reward_fn(batch, return_dict=True)
+        run_phases([self.reward_phase(batch)], timing, concurrent=False)
+        return batch
+
+    def reward_phase(self, batch: DataProto) -> Phase:
+        """Sets ``token_level_scores`` (and per-sample extras) on ``batch``: the reward model's scores
+        (a worker call) when enabled, else the rule reward function (run on the driver)."""
+        if not self.config.reward_model.enable:
+            return Phase("reward", run=lambda: self._score(batch))
+        rm = self.wg.reward_model
+        return Phase(
+            "reward",
+            issue=lambda: rm.compute_rm_score_async(batch),
+            finish=lambda out: self._score(batch.union(out)),
+        )
+
+    def _score(self, batch: DataProto) -> None:
+        result = self.reward_fn(batch, return_dict=True)
         batch.batch[keys.TOKEN_LEVEL_SCORES] = result["reward_tensor"]
         for key, values in result.get("reward_extra_info", {}).items():
             if len(values) == len(batch):  # per-sample extras (acc, pred, ...) travel with the batch
                 batch.non_tensor_batch[key] = _object_array(values)
                 self.reward_extra_keys.add(key)
-        return batch
 
     def balance_batch(self, batch: DataProto, metrics: dict) -> None:
         """Reorder rows so every dp rank gets a similar number of tokens (in place). The responses to
@@ -243,22 +259,54 @@ class RayPPOTrainer:
         batch.reorder(torch.tensor([i for part in parts for i in part]))
         metrics.update(log_seqlen_unbalance(seqlens, parts, prefix="global_seqlen"))
 
+    def prepare_experience(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
+        """``token_level_scores`` (unless the rollout was scored already), ``old_log_probs``,
+        ``ref_log_prob`` and ``values``: each reads only the rollout, so they are issued together and
+        overlap when their roles are on different pools (``trainer.concurrent_phases``)."""
+        phases = [self.old_log_prob_phase(batch, metrics)]
+        if self.use_reference:
+            phases.append(Phase("ref", issue=lambda: self.wg.ref.compute_ref_log_prob_async(batch)))
+        if self.use_critic:
+            phases.append(Phase("values", issue=lambda: self.wg.critic.compute_values_async(batch)))
+        if keys.TOKEN_LEVEL_SCORES not in batch.batch.keys():
+            phases.append(self.reward_phase(batch))
+        for output in run_phases([p for p in phases if p is not None], timing, self.concurrent_phases):
+            if isinstance(output, DataProto):
+                batch.union(output)
+        return batch
+
     def compute_old_log_prob(self, batch: DataProto, metrics: dict) -> DataProto:
+        """``old_log_probs`` (see :meth:`old_log_prob_phase`), waited for."""
+        phase = self.old_log_prob_phase(batch, metrics)
+        return batch if phase is None else batch.union(run_phases([phase], {}, concurrent=False)[0])
+
+    def old_log_prob_phase(self, batch: DataProto, metrics: dict) -> Phase | None:
         """``old_log_probs`` from a forward pass of the actor — or, with ``rollout.use_rollout_log_probs``,
         the rollout's own log-probs (one forward pass saved) while they are trusted: they matched that
         forward within ``rollout.log_prob_parity_tolerance`` at a check made fewer than
         ``rollout.log_prob_parity_check_freq`` steps ago. A failed check keeps the recompute (and checks
-        again every step until a check passes)."""
+        again every step until a check passes). None when no forward is needed (set in place)."""
         if self.old_log_probs_from_update:  # see update_computes_old_log_probs: no forward needed
-            return batch
-        rollout_cfg = self.config.actor_rollout_ref.rollout
+            return None
         rollout_log_probs = batch.batch.get(keys.ROLLOUT_LOG_PROBS, None)
+        rollout_cfg = self.config.actor_rollout_ref.rollout
         use_rollout = bool(rollout_cfg.get("use_rollout_log_probs", False)) and rollout_log_probs is not None
         check_freq = int(rollout_cfg.get("log_prob_parity_check_freq", 10))
         if use_rollout and self.log_prob_parity.trusted(self.global_steps, check_freq):
             batch.batch[keys.OLD_LOG_PROBS] = rollout_log_probs.clone()
-            return batch
-        output = self.wg.actor_rollout.compute_log_prob(batch)
+            return None
+        return Phase(
+            "old_log_prob",
+            issue=lambda: self.wg.actor_rollout.compute_log_prob_async(batch),
+            finish=lambda output: self._old_log_probs(batch, output, metrics, use_rollout),
+        )
+
+    def _old_log_probs(
+        self, batch: DataProto, output: DataProto, metrics: dict, use_rollout: bool
+    ) -> DataProto:
+        """``old_log_probs`` of the actor's forward; entropy and rollout-parity metrics on the side."""
+        rollout_cfg = self.config.actor_rollout_ref.rollout
+        rollout_log_probs = batch.batch.get(keys.ROLLOUT_LOG_PROBS, None)
         entropys = output.pop(batch_keys=["entropys"]).batch["entropys"]
         response_mask = batch.batch[keys.RESPONSE_MASK]
         metrics["actor/entropy"] = float(masked_mean(entropys, response_mask.float()))
@@ -271,10 +319,10 @@ class RayPPOTrainer:
                 matched = parity["training/rollout_log_probs_diff_max"] <= tolerance
                 self.log_prob_parity = LogProbParity(verified=matched, checked_at=self.global_steps)
                 metrics["training/rollout_log_probs_verified"] = float(matched)
-        return batch.union(output.select(batch_keys=[keys.OLD_LOG_PROBS], meta_info_keys=[]))
+        return output.select(batch_keys=[keys.OLD_LOG_PROBS], meta_info_keys=[])
 
     def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
-        return batch.union(self.wg.actor_rollout.compute_ref_log_prob(batch))
+        return batch.union(self.wg.ref.compute_ref_log_prob(batch))
 
     def compute_values(self, batch: DataProto) -> DataProto:
         return batch.union(self.wg.critic.compute_values(batch))
@@ -316,15 +364,29 @@ class RayPPOTrainer:
         batch.batch[keys.RETURNS] = returns
         return batch
 
+    def update_models(self, batch: DataProto, timing: dict) -> dict[str, float]:
+        """The critic's and the actor's updates (the actor's after ``trainer.critic_warmup`` steps),
+        issued together: they overlap when the critic has a pool of its own."""
+        batch.meta_info["global_steps"] = self.global_steps  # the temperature: the worker's config
+        phases = []
+        if self.use_critic:
+            phases.append(Phase("update_critic", lambda: self.wg.critic.update_critic_async(batch), _reduced))
+        if self.global_steps > self.config.trainer.critic_warmup:
+            phases.append(
+                Phase("update_actor", lambda: self.wg.actor_rollout.update_actor_async(batch), _reduced)
+            )
+        metrics: dict[str, float] = {}
+        for result in run_phases(phases, timing, self.concurrent_phases):
+            metrics.update(result)
+        return metrics
+
     def update_critic(self, batch: DataProto) -> dict[str, float]:
         batch.meta_info["global_steps"] = self.global_steps
-        output = self.wg.critic.update_critic(batch)
-        return metric_utils.reduce_metrics(output.meta_info["metrics"])
+        return _reduced(self.wg.critic.update_critic(batch))
 
     def update_actor(self, batch: DataProto) -> dict[str, float]:
         batch.meta_info["global_steps"] = self.global_steps  # the temperature: the worker's config
-        output = self.wg.actor_rollout.update_actor(batch)
-        return metric_utils.reduce_metrics(output.meta_info["metrics"])
+        return _reduced(self.wg.actor_rollout.update_actor(batch))
 
     def dump_rollouts(self, batch: DataProto) -> None:
         """``trainer.rollout_data_dir``: this step's generations as ``{dir}/{step}.jsonl`` (verl's dump)."""
@@ -409,6 +471,11 @@ def rollout_with_uids(
             metrics[key] = max(values)
     prompts.pop(batch_keys=PROMPT_INPUT_KEYS)
     return prompts.union(output)
+
+
+def _reduced(output: DataProto) -> dict[str, float]:
+    """An update's metrics (lists over micro-batches and ranks) reduced to numbers."""
+    return metric_utils.reduce_metrics(output.meta_info["metrics"])
 
 
 def _object_array(values) -> np.ndarray:

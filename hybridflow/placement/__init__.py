@@ -1,0 +1,14 @@
+"""Where each model of the RL dataflow runs (HybridFlow §4 and §6; verl's ``resource_pool_spec``).
+
+- :mod:`.spec`: a :class:`~.spec.Placement` (named resource pools of workers per node, and which pool
+  each role runs on) from the ``trainer.placement*`` config keys, and its validation;
+- :mod:`.cost_model`: per-phase times fitted from a short profiling run, and a step's predicted time
+  for a placement (phases on one pool queue, phases on different pools overlap);
+- :mod:`.planner`: Algorithm 1 — enumerate placements and per-pool device counts, rank them by the
+  cost model (``python -m hybridflow.placement.plan``);
+- :mod:`.profile`: the profiling run that calibrates the cost model
+  (``python -m hybridflow.placement.profile``);
+- :mod:`.local_cluster`: a multi-node Ray cluster on one machine (tests and trying multi-node runs).
+
+Nothing here is imported by ``import hybridflow``.
+"""
