@@ -45,6 +45,26 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tp_model_dir(tmp_path_factory):
+    """A tiny Llama-architecture model with untied embeddings whose heads (8), key-value heads (4),
+    MLP width (128) and vocabulary (512) all divide by 4: tensor-parallel tests split it 1, 2 and 4 ways."""
+    from hybridflow.models.tiny import build_tiny_model
+
+    return str(
+        build_tiny_model(
+            tmp_path_factory.mktemp("tp_model") / "model",
+            arch="llama",
+            hidden_size=64,
+            num_layers=2,
+            num_heads=8,
+            num_kv_heads=4,
+            intermediate_size=128,
+            tie_word_embeddings=False,
+        )
+    )
+
+
+@pytest.fixture(scope="session")
 def arithmetic_data(tmp_path_factory):
     """Train/test parquet files of the built-in arithmetic task in verl's schema."""
     from hybridflow.tasks.arithmetic import ArithmeticTaskConfig, write_rl_dataset

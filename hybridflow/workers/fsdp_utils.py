@@ -55,8 +55,25 @@ def cpu_has_fast_bf16() -> bool:
     return has_fast_bf16()
 
 
-def build_device_mesh(world_size: int, device_type: str) -> DeviceMesh:
-    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("fsdp",))
+def build_device_mesh(world_size: int, device_type: str, tensor_parallel_size: int = 1) -> DeviceMesh:
+    """The 1-D ``("fsdp",)`` mesh over the group, or with ``tensor_parallel_size`` t > 1 the 2-D
+    ``("dp", "tp")`` mesh of shape (world / t, t): TP groups are t consecutive ranks
+    (:mod:`hybridflow.workers.tensor_parallel`)."""
+    tp = int(tensor_parallel_size)
+    if tp <= 1:
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("fsdp",))
+    if tp > world_size or world_size % tp:
+        raise ValueError(f"tensor_model_parallel_size={tp} does not divide the {world_size} worker processes")
+    return init_device_mesh(device_type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def is_tensor_parallel_mesh(mesh: DeviceMesh) -> bool:
+    return mesh.mesh_dim_names is not None and "tp" in mesh.mesh_dim_names
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The (sub-)mesh FSDP2 shards over: the whole 1-D mesh, or the ``dp`` dimension of a 2-D one."""
+    return mesh["dp"] if is_tensor_parallel_mesh(mesh) else mesh
 
 
 def _decoder_layers(model: nn.Module, class_names=None) -> list[nn.Module]:
@@ -130,9 +147,10 @@ def mixed_precision_policy(cfg, device_type: str) -> MixedPrecisionPolicy | None
 
 
 def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, fsdp_config) -> nn.Module:
-    """Shard ``model`` in place (decoder layers, then root) and return it."""
+    """Shard ``model`` in place (decoder layers, then root) over ``mesh`` (its ``dp`` dimension when it
+    is 2-D: the model is then already tensor-parallel over ``tp``) and return it."""
     kwargs = {
-        "mesh": mesh,
+        "mesh": data_parallel_mesh(mesh),
         "reshard_after_forward": bool(fsdp_config.get("reshard_after_forward", True)),
         "offload_policy": offload_policy(fsdp_config, mesh.device_type),
     }

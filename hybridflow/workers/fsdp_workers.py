@@ -1,9 +1,16 @@
 """FSDP2 workers: the hybrid actor/rollout/reference worker and the critic worker.
 
-Each method the controller calls is declared with its distribution (``@register``): data methods are
-``DP_COMPUTE_PROTO`` (every rank gets its shard of the batch, outputs are concatenated in rank
-order), lifecycle methods are ``ONE_TO_ALL``. Each worker receives only its own config section
+Each method the controller calls is declared with its distribution (``@register``): data methods
+dispatch by the data-parallel rank of their model's mesh (``actor``, ``ref``, ``rollout``, ``critic``:
+the ranks of one tensor-parallel group get the same shard and only its first rank's output is
+collected; without tensor parallelism every rank is its own dp rank, as ``DP_COMPUTE_PROTO``),
+lifecycle methods are ``ONE_TO_ALL``. Each worker receives only its own config section
 (``actor_rollout_ref`` or ``critic``), already resolved by the trainer.
+
+Tensor parallelism: ``actor.tensor_model_parallel_size`` / ``ref.tensor_model_parallel_size`` /
+``critic.tensor_model_parallel_size`` t train on a (world / t, t) mesh
+(:mod:`hybridflow.workers.tensor_parallel`); ``rollout.tensor_model_parallel_size`` t_g generates in
+groups of t_g ranks formed from the actor's micro-DP groups (:mod:`.rollout.engine.reshard`).
 """
 
 from __future__ import annotations
@@ -14,15 +21,28 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hybridflow import keys
 from hybridflow.protocol import DataProto
-from hybridflow.single_controller import Dispatch, Worker, register
+from hybridflow.single_controller import Dispatch, Worker, make_nd_compute_dataproto_dispatch_fn, register
 from hybridflow.workers.actor.dp_actor import DataParallelPPOActor
 from hybridflow.workers.critic.dp_critic import DataParallelPPOCritic
 from hybridflow.workers.fsdp_utils import build_device_mesh
 from hybridflow.workers.lora import adapter_disabled, lora_enabled
 from hybridflow.workers.model_builder import build_fsdp_module, build_training_parts, resolve_local_path
 from hybridflow.workers.rollout.base import get_rollout_cls
+from hybridflow.workers.rollout.engine.parallel import SINGLE, GenerationShard
+from hybridflow.workers.rollout.engine.reshard import ReshardLayout
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
+
+# Data methods dispatch by the dp rank each worker declares for its model's mesh (register_meshes).
+ACTOR_DISPATCH = make_nd_compute_dataproto_dispatch_fn("actor")
+REF_DISPATCH = make_nd_compute_dataproto_dispatch_fn("ref")
+ROLLOUT_DISPATCH = make_nd_compute_dataproto_dispatch_fn("rollout")
+CRITIC_DISPATCH = make_nd_compute_dataproto_dispatch_fn("critic")
+
+
+def _tp_size(section) -> int:
+    """A section's ``tensor_model_parallel_size`` (1 when absent or null)."""
+    return int(section.get("tensor_model_parallel_size") or 1)
 
 
 def _own_copy(config) -> DictConfig:
@@ -63,6 +83,22 @@ def _checkpoint_manager(parts, tokenizer, contents, trainable_only: bool = False
     )
 
 
+def generation_shard(layout: ReshardLayout, rank: int) -> GenerationShard:
+    """``rank``'s place in its generation group. Creating the groups is a collective: every rank
+    creates every group, in the same order."""
+    if layout.gen_tp == 1:
+        return SINGLE
+    import torch.distributed as dist
+
+    mine = SINGLE
+    for ranks in layout.gen_groups():  # ordered by shard
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            members = tuple(ranks.index(r) for r in sorted(ranks))
+            mine = GenerationShard(ranks.index(rank), layout.gen_tp, group, members)
+    return mine
+
+
 class FSDPWorkerBase(Worker):
     """Process group, device mesh and checkpointing shared by the FSDP workers."""
 
@@ -70,9 +106,35 @@ class FSDPWorkerBase(Worker):
         super().__init__()
         self.init_process_group()
         self.device_mesh = build_device_mesh(self.world_size, self.device_type())
+        self._tp_meshes = {}
         # Pure data parallelism: every rank is its own dp rank and is collected.
         self.register_dispatch_collect_info("dp", dp_rank=self.rank, is_collect=True)
         self.checkpoint_manager = None
+        # transformers' auto-model classes take ~1 s to import: do it while the driver still loads its
+        # data (worker creation does not wait for this), not later in init_model.
+        from transformers import AutoModelForCausalLM  # noqa: F401
+
+    def mesh(self, tensor_parallel_size: int):
+        """The device mesh of a model trained with ``tensor_model_parallel_size`` (built once)."""
+        if tensor_parallel_size <= 1:
+            return self.device_mesh
+        if tensor_parallel_size not in self._tp_meshes:
+            self._tp_meshes[tensor_parallel_size] = build_device_mesh(
+                self.world_size, self.device_type(), tensor_parallel_size
+            )
+        return self._tp_meshes[tensor_parallel_size]
+
+    def register_tp_dispatch(self, mesh_name: str, tensor_parallel_size: int) -> int:
+        """Declare this rank's dp rank on ``mesh_name`` (TP groups: consecutive ranks; the first one is
+        collected); returns the dp degree."""
+        if self.world_size % tensor_parallel_size:
+            raise ValueError(
+                f"{mesh_name}: tensor_model_parallel_size={tensor_parallel_size} does not divide the "
+                f"{self.world_size} worker processes"
+            )
+        dp_rank, tp_rank = divmod(self.rank, tensor_parallel_size)
+        self.register_dispatch_collect_info(mesh_name, dp_rank=dp_rank, is_collect=tp_rank == 0)
+        return self.world_size // tensor_parallel_size
 
     def _manager(self):
         if self.checkpoint_manager is None:
@@ -107,24 +169,44 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         self._is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref")
         self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
         self._is_ref = role in ("ref", "actor_rollout_ref")
+        self.actor_tp = _tp_size(self.config.actor)
+        self.ref_tp = _tp_size(self.config.ref)
+        self.rollout_tp = _tp_size(self.config.rollout)
+        self._register_meshes()
         self._normalise_batch_sizes()
 
+    def _register_meshes(self) -> None:
+        """The dp rank of this process on each mesh its role uses (the data methods dispatch by it)."""
+        self.dp = {}
+        if self._is_actor or self._is_rollout:  # the rollout role computes the actor's log-probs too
+            self.dp["actor"] = self.register_tp_dispatch("actor", self.actor_tp)
+        if self._is_ref:
+            self.dp["ref"] = self.register_tp_dispatch("ref", self.ref_tp)
+        self.layout = None
+        if self._is_rollout:
+            self.layout = ReshardLayout(self.world_size, self.actor_tp, self.rollout_tp)
+            gen_dp, gen_rank = self.layout.gen_coords(self.rank)
+            self.register_dispatch_collect_info("rollout", dp_rank=gen_dp, is_collect=gen_rank == 0)
+
     def _normalise_batch_sizes(self) -> None:
-        """Config batch sizes are global prompts (verl); the actor works in responses per rank."""
-        cfg, world = self.config, self.world_size
+        """Config batch sizes are global prompts (verl); each model works in responses per dp rank."""
+        cfg, dp = self.config, self.dp
         with open_dict(cfg):
             if self._is_actor:
                 responses = int(cfg.actor.ppo_mini_batch_size) * int(cfg.rollout.n)
-                cfg.actor.ppo_mini_batch_size = _per_rank(responses, world, "ppo_mini_batch_size x rollout.n")
+                cfg.actor.ppo_mini_batch_size = _per_rank(
+                    responses, dp["actor"], "ppo_mini_batch_size x rollout.n"
+                )
                 if cfg.actor.get("ppo_micro_batch_size"):
                     cfg.actor.ppo_micro_batch_size_per_gpu = _per_rank(
-                        int(cfg.actor.ppo_micro_batch_size), world, "actor.ppo_micro_batch_size"
+                        int(cfg.actor.ppo_micro_batch_size), dp["actor"], "actor.ppo_micro_batch_size"
                     )
-            for section in ("ref", "rollout"):
-                if cfg[section].get("log_prob_micro_batch_size"):
+            # rollout.log_prob_*: the actor's own log-prob pass
+            for section, model in (("ref", "ref"), ("rollout", "actor")):
+                if model in dp and cfg[section].get("log_prob_micro_batch_size"):
                     cfg[section].log_prob_micro_batch_size_per_gpu = _per_rank(
                         int(cfg[section].log_prob_micro_batch_size),
-                        world,
+                        dp[model],
                         f"{section}.log_prob_micro_batch_size",
                     )
 
@@ -143,7 +225,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         )
         if self._is_actor:
             self.actor_parts = build_training_parts(
-                cfg.model, cfg.actor.fsdp_config, cfg.actor.optim, self.device_mesh
+                cfg.model, cfg.actor.fsdp_config, cfg.actor.optim, self.mesh(self.actor_tp)
             )
             self.actor_module = self.actor_parts.module
             self.actor = DataParallelPPOActor(
@@ -157,15 +239,26 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             )
         elif self._is_rollout:
             self.actor_module = build_fsdp_module(
-                cfg.model, cfg.actor.fsdp_config, self.device_mesh, trainable=False
+                cfg.model, cfg.actor.fsdp_config, self.mesh(self.actor_tp), trainable=False
             )
         if self._is_rollout:
-            self.rollout = get_rollout_cls(cfg.rollout.name)(
-                self.actor_module, cfg.rollout, rank=self.rank, tokenizer=self.tokenizer
-            )
+            self.rollout = self._build_rollout()
             self._rollout_weights_stale = False  # the rollout starts from the actor's current weights
         if self._is_ref:
             self.ref_policy = DataParallelPPOActor(cfg.ref, self._ref_module())
+
+    def _build_rollout(self):
+        """The rollout over the actor's module; the engine gets its generation group (HybridFlow §5)."""
+        cls = get_rollout_cls(self.config.rollout.name)
+        kwargs = {"rank": self.rank, "tokenizer": self.tokenizer}
+        if not self.layout.trivial:
+            if self.config.rollout.name not in ("engine", "vllm", "sglang"):
+                raise ValueError(
+                    f"rollout.name={self.config.rollout.name}: tensor parallelism (actor or rollout "
+                    "tensor_model_parallel_size > 1) needs the embedded engine (rollout.name=engine)"
+                )
+            kwargs.update(layout=self.layout, shard=generation_shard(self.layout, self.rank))
+        return cls(self.actor_module, self.config.rollout, **kwargs)
 
     def _ref_module(self):
         """The reference policy's weights: a LoRA actor's own module (run with the adapter off),
@@ -173,11 +266,11 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         if self._is_actor and lora_enabled(self.config.model):
             return self.actor_module
         return build_fsdp_module(
-            self.config.model, self.config.ref.fsdp_config, self.device_mesh, trainable=False
+            self.config.model, self.config.ref.fsdp_config, self.mesh(self.ref_tp), trainable=False
         )
 
     # ------------------------------------------------------------------ rollout
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=ROLLOUT_DISPATCH)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Prompts (B, T_p) → prompts + responses; see ``hybridflow.workers.rollout.base``."""
         prompts.meta_info.setdefault("eos_token_id", self.eos_token_ids)
@@ -185,6 +278,9 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         metrics = self._sync_rollout_weights()
         start = time.perf_counter()
         output = self.rollout.generate_sequences(prompts)
+        if self.config.rollout.get("free_cache_engine", True):
+            # verl's sleep: no generation copy of the weights stays beside the training state
+            self.rollout.release_weights()
         # the sampling temperature stays with the rollout: log-probs take it from config only
         output.meta_info.pop("temperature", None)
         metrics.update(output.meta_info.pop("metrics", {}))
@@ -199,14 +295,15 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         data.meta_info["temperature"] = float(self.config.rollout.temperature)
 
     def _sync_rollout_weights(self) -> dict[str, float]:
-        """Hybrid engine: hand the actor's updated weights to the rollout before it generates."""
-        if not self._rollout_weights_stale:
+        """Hybrid engine: hand the actor's updated weights to the rollout before it generates (also
+        after the rollout freed its copy)."""
+        if not self._rollout_weights_stale and self.rollout.weights_loaded:
             return {}
         self._rollout_weights_stale = False
         return self.rollout.update_weights()
 
     # ------------------------------------------------------------------ log-probs
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=ACTOR_DISPATCH)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs`` and ``entropys`` (B, T_r) under the current actor weights."""
         self._use_training_temperature(data)
@@ -216,7 +313,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             meta_info={"temperature": data.meta_info["temperature"]},
         )
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=REF_DISPATCH)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob`` (B, T_r) under the frozen reference policy (a LoRA actor with its adapter off)."""
         self._use_training_temperature(data)
@@ -225,7 +322,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         return DataProto.from_dict({keys.REF_LOG_PROB: log_probs})
 
     # ------------------------------------------------------------------ training
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=ACTOR_DISPATCH)
     def update_actor(self, data: DataProto) -> DataProto:
         """One PPO update on this rank's shard; returns metrics (means over micro-batches)."""
         self._use_training_temperature(data)
@@ -241,8 +338,9 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
 
 
 def critic_batch_sizes_per_rank(cfg: DictConfig, world: int, rollout_n: int | None = None) -> DictConfig:
-    """Config batch sizes are global prompts (verl); the critic works in responses per rank. verl's
-    deprecated global micro-batch forms are split over the ranks. Edits and returns ``cfg``."""
+    """Config batch sizes are global prompts (verl); the critic works in responses per dp rank
+    (``world``: the critic's dp degree). verl's deprecated global micro-batch forms are split over the
+    dp ranks. Edits and returns ``cfg``."""
     with open_dict(cfg):
         responses = int(cfg.ppo_mini_batch_size) * int(rollout_n or cfg.get("rollout_n", 1))
         cfg.ppo_mini_batch_size = _per_rank(responses, world, "critic.ppo_mini_batch_size x rollout.n")
@@ -262,7 +360,10 @@ class CriticWorker(FSDPWorkerBase):
 
     def __init__(self, config, rollout_n: int | None = None) -> None:
         super().__init__()
-        self.config = critic_batch_sizes_per_rank(_own_copy(config), self.world_size, rollout_n)
+        config = _own_copy(config)
+        self.tp = _tp_size(config)
+        dp = self.register_tp_dispatch("critic", self.tp)
+        self.config = critic_batch_sizes_per_rank(config, dp, rollout_n)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -274,19 +375,19 @@ class CriticWorker(FSDPWorkerBase):
             trust_remote_code=cfg.model.get("trust_remote_code", False),
         )
         self.critic_parts = build_training_parts(
-            cfg.model, cfg.model.fsdp_config, cfg.optim, self.device_mesh, kind="token_value"
+            cfg.model, cfg.model.fsdp_config, cfg.optim, self.mesh(self.tp), kind="token_value"
         )
         self.critic = DataParallelPPOCritic(cfg, self.critic_parts.module, self.critic_parts.optimizer)
         self.checkpoint_manager = _checkpoint_manager(
             self.critic_parts, self.tokenizer, cfg.checkpoint.save_contents
         )
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=CRITIC_DISPATCH)
     def compute_values(self, data: DataProto) -> DataProto:
         """``values`` (B, T_r)."""
         return DataProto.from_dict({keys.VALUES: self.critic.compute_values(data)})
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=CRITIC_DISPATCH)
     def update_critic(self, data: DataProto) -> DataProto:
         lr = self.critic_parts.lr_scheduler.get_last_lr()[0]
         metrics = _mean_metrics(self.critic.update_critic(data))

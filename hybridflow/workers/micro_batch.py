@@ -56,16 +56,21 @@ def restore_order(values: torch.Tensor, order: list[int] | None) -> torch.Tensor
     return values[inverse]
 
 
-def global_batch_info(mini: DataProto, loss_scale_factor: float | None = None) -> GlobalBatchInfo:
+def global_batch_info(
+    mini: DataProto, loss_scale_factor: float | None = None, dp_group: dist.ProcessGroup | None = None
+) -> GlobalBatchInfo:
     """This rank's mini-batch as part of the whole one: ``dp_size`` ranks, ``batch_num_tokens`` =
     valid response tokens and ``global_batch_size`` = sequences with at least one, both summed over
     the ranks (one all-reduce). Every micro-batch's loss is normalised by these, so the gradient of
-    a mini-batch does not depend on how it is split into micro-batches and ranks (verl semantics)."""
+    a mini-batch does not depend on how it is split into micro-batches and ranks (verl semantics).
+
+    ``dp_group``: the data-parallel ranks (None: the whole world). With tensor parallelism the ranks of
+    one TP group hold the same rows, so they are counted once: the group is the dp dimension."""
     mask = mini.batch[keys.RESPONSE_MASK]
     counts = torch.stack([mask.sum(), (mask.sum(dim=-1) > 0).sum()]).to(torch.float64)
     dp_size = 1
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dp_size = dist.get_world_size()
-        dist.all_reduce(counts)
+    if dist.is_initialized() and dist.get_world_size(dp_group) > 1:
+        dp_size = dist.get_world_size(dp_group)
+        dist.all_reduce(counts, group=dp_group)
     tokens, sequences = counts.tolist()
     return GlobalBatchInfo(dp_size, tokens, sequences, loss_scale_factor)

@@ -19,9 +19,11 @@ from hybridflow.workers.fsdp_utils import (
     build_lr_scheduler,
     build_optimizer,
     enable_gradient_checkpointing,
+    is_tensor_parallel_mesh,
     to_dtype,
 )
 from hybridflow.workers.lora import apply_lora, lora_enabled
+from hybridflow.workers.tensor_parallel import apply_tensor_parallel
 
 # Which transformers Auto class builds each kind of model.
 AUTO_CLASSES = {
@@ -90,15 +92,22 @@ def build_fsdp_module(
     model_cfg, fsdp_cfg, mesh, kind: str = "causal_lm", trainable: bool = True
 ) -> nn.Module:
     """Load and shard one model; frozen (no grad) unless ``trainable``. A trainable causal LM with
-    ``model_cfg.lora_rank > 0`` trains only its LoRA adapter."""
+    ``model_cfg.lora_rank > 0`` trains only its LoRA adapter. On a 2-D ``(dp, tp)`` mesh the model is
+    first split tensor-parallel over ``tp`` (:mod:`hybridflow.workers.tensor_parallel`), then FSDP2
+    shards it over ``dp``."""
     dtype = to_dtype(fsdp_cfg.get("model_dtype", "fp32"))
     model = load_hf_model(model_cfg, kind, dtype)
     if trainable and model_cfg.get("enable_gradient_checkpointing", False):
         enable_gradient_checkpointing(model)
+    tensor_parallel = is_tensor_parallel_mesh(mesh)
     if trainable and kind == "causal_lm" and lora_enabled(model_cfg):
+        if tensor_parallel:
+            raise ValueError("LoRA (model.lora_rank > 0) with tensor parallelism is not supported")
         model = apply_lora(model, model_cfg)
     if not trainable:
         model.requires_grad_(False)
+    if tensor_parallel:
+        apply_tensor_parallel(model, mesh)
     return apply_fsdp2(model, mesh, fsdp_cfg)
 
 

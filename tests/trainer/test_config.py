@@ -132,8 +132,8 @@ REJECTED = [
     ("reward_model.strategy=megatron", "reward_model.strategy='megatron' is not supported"),
     ("actor_rollout_ref.rollout.mode=async", "rollout.mode='async' is not supported"),
     (
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-        "tensor-parallel generation is not implemented",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=3",
+        "rollout.tensor_model_parallel_size=3 does not divide the role's 2 worker processes",
     ),
     ("actor_rollout_ref.rollout.enforce_eager=false", "always runs eagerly"),
     ("actor_rollout_ref.rollout.enable_chunked_prefill=true", "prefills whole prompts"),

@@ -19,6 +19,8 @@ import os
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from hybridflow.trainer.config.parallelism import tensor_parallel_problems
+
 # dotted key -> (the values whose effect is delivered, why other values are refused / what to do).
 LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
     "data.use_shm": ((False,), "there is no shared-memory copy of the data files; remove it"),
@@ -44,10 +46,6 @@ LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
         ("sync",),
         "the async (agent-loop server) rollout is not implemented; multi-turn tool use runs in sync mode "
         "(rollout.multi_turn.enable=true)",
-    ),
-    "actor_rollout_ref.rollout.tensor_model_parallel_size": (
-        (1,),
-        "tensor-parallel generation is not implemented: every worker generates with the whole model",
     ),
     "actor_rollout_ref.rollout.enforce_eager": (
         (True,),
@@ -225,13 +223,34 @@ def _sharding_problems(path: str, fsdp: dict, world_size: int) -> list[str]:
 
 
 def _fsdp_problems(config: DictConfig) -> list[str]:
-    world_size = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
     problems = []
     for path, trainable in _fsdp_sections(config):
         fsdp = _value(config, path) or {}
         problems += _dtype_problems(path, fsdp, trainable)
-        problems += _sharding_problems(path, fsdp, world_size)
+        problems += _sharding_problems(path, fsdp, _role_world_size(config, path))
     return problems
+
+
+def _role_world_size(config: DictConfig, fsdp_path: str) -> int:
+    """Worker processes of the pool the section's model runs on (``trainer.placement``)."""
+    from hybridflow.placement.spec import placement_from_config, placement_problems
+
+    everything = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+    if config.trainer.get("placement", "colocated") == "colocated" or placement_problems(config):
+        return everything
+    if config.trainer.placement == "auto" and not config.trainer.resource_pool_spec:
+        return everything
+    role = next(r for prefix, r in _FSDP_ROLES if fsdp_path.startswith(prefix))
+    placement = placement_from_config(config)
+    return placement.world_size(role if role in placement.mapping else "actor_rollout")
+
+
+_FSDP_ROLES = (
+    ("actor_rollout_ref.ref", "ref"),
+    ("actor_rollout_ref", "actor_rollout"),
+    ("critic", "critic"),
+    ("reward_model", "rm"),
+)
 
 
 def _leaves(value) -> list:
@@ -283,6 +302,7 @@ def honesty_problems(config: DictConfig) -> list[str]:
     for section in ("actor_rollout_ref.actor", "critic"):
         problems += _checkpoint_problems(config, section)
     problems += _fsdp_problems(config) + _engine_kwargs_problems(config) + _trainer_problems(config)
+    problems += tensor_parallel_problems(config)
     return problems + _reward_kwargs_problems(config)
 
 
@@ -377,10 +397,14 @@ GENERATION_LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
         (False,),
         "the output holds the response texts only, no log-probs column; set false",
     ),
+    "rollout.tensor_model_parallel_size": (
+        (1,),
+        "tensor-parallel generation is not implemented in main_generation: it generates in one process "
+        "(main_ppo runs it: actor_rollout_ref.rollout.tensor_model_parallel_size); set 1",
+    ),
     **{
         f"rollout.{key}": _rollout_rule(key)
         for key in (
-            "tensor_model_parallel_size",
             "enforce_eager",
             "enable_chunked_prefill",
             "disable_log_stats",

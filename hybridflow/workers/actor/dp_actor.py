@@ -38,6 +38,12 @@ from hybridflow.utils.torch_functional import entropy_from_logits, logprobs_from
 from hybridflow.workers.forward import pad_responses, response_outputs
 from hybridflow.workers.fsdp_utils import grad_norm_and_clip
 from hybridflow.workers.micro_batch import global_batch_info, restore_order, split_micro_batches
+from hybridflow.workers.tensor_parallel import (
+    dp_group_of,
+    tensor_parallel_state,
+    vocab_parallel_entropy,
+    vocab_parallel_log_probs,
+)
 
 # Loss terms whose per-micro-batch values are shares of the mini-batch value: their metric is the sum.
 _SUMMED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss")
@@ -62,10 +68,16 @@ def response_log_probs(
     reported, so it is computed off the autograd graph."""
     logits = forward_response_logits(model, micro, temperature)
     responses = micro.batch[keys.RESPONSES]
-    log_probs = logprobs_from_logits(logits, responses[:, : logits.shape[1]])
+    tp = tensor_parallel_state(model)  # tensor-parallel: logits hold this rank's vocabulary slice
+    labels = responses[:, : logits.shape[1]]
+    if tp is None:
+        log_probs = logprobs_from_logits(logits, labels)
+    else:
+        log_probs = vocab_parallel_log_probs(logits, labels, tp)
     entropy = None
     if with_entropy:
-        entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+        kept = logits if entropy_grad else logits.detach()
+        entropy = entropy_from_logits(kept) if tp is None else vocab_parallel_entropy(kept, tp)
         entropy = pad_responses(entropy, responses.shape[1])
     return pad_responses(log_probs, responses.shape[1]), entropy
 
@@ -178,7 +190,7 @@ class DataParallelPPOActor:
         """Forward/backward every micro-batch of one mini-batch; gradients accumulate in the module
         (reduced over the ranks on the last micro-batch). Metrics are appended to ``metrics``."""
         cfg = self.config
-        info = global_batch_info(mini, self.loss_scale_factor)
+        info = global_batch_info(mini, self.loss_scale_factor, dp_group_of(self.module))
         micros, _ = split_micro_batches(
             mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu
         )

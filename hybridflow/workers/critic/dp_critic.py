@@ -15,6 +15,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.workers.forward import pad_responses, response_outputs
 from hybridflow.workers.fsdp_utils import grad_norm_and_clip
 from hybridflow.workers.micro_batch import global_batch_info, restore_order, split_micro_batches
+from hybridflow.workers.tensor_parallel import dp_group_of
 
 
 def forward_values(model: nn.Module, micro: DataProto) -> torch.Tensor:
@@ -65,7 +66,7 @@ class DataParallelPPOCritic:
         mini-batch's (normalised over all micro-batches and ranks, as the actor's)."""
         cfg = self.config
         scale = cfg.get("loss_scale_factor")
-        info = global_batch_info(mini, None if scale is None else float(scale))
+        info = global_batch_info(mini, None if scale is None else float(scale), dp_group_of(self.module))
         micros, _ = split_micro_batches(
             mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu
         )

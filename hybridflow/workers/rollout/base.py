@@ -48,6 +48,15 @@ class BaseRollout(ABC):
     def release(self) -> None:  # noqa: B027 (optional hook)
         """Free generation-only memory (KV cache) between phases. No-op by default."""
 
+    @property
+    def weights_loaded(self) -> bool:
+        """False after :meth:`release_weights`: the next :meth:`update_weights` must refill them."""
+        return True
+
+    def release_weights(self) -> None:  # noqa: B027 (optional hook)
+        """Free a generation-only copy of the weights between rollouts. No-op by default (a rollout
+        that runs on the actor's own module has none)."""
+
     def resume(self) -> None:  # noqa: B027 (optional hook)
         """Re-create what :meth:`release` freed. No-op by default."""
 

@@ -3,8 +3,13 @@
 ``actor_rollout_ref.rollout.name=engine`` (also answers to ``vllm`` and ``sglang``, which cannot run
 here, so verl command lines run unchanged). The engine keeps its own copy of the weights in a
 generation layout; :meth:`EngineRollout.update_weights` refreshes it from the (FSDP2-sharded) actor
-one parameter at a time after each update. The KV cache lives only while generating when
-``free_cache_engine`` is on (verl's sleep/wake), so it never sits beside the training memory.
+one FSDP unit at a time after each update. The KV cache lives only while generating when
+``free_cache_engine`` is on (verl's sleep/wake), so it never sits beside the training memory; the
+worker frees the engine's weights then too (:meth:`EngineRollout.release_weights`).
+
+With ``rollout.tensor_model_parallel_size`` t_g > 1, or a tensor-parallel actor, the engine holds one
+rank's share of a generation group (:mod:`.engine.parallel`) and a sync reshards the actor's training
+shards into it (:mod:`.engine.reshard`, HybridFlow §5).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from hybridflow.workers.rollout.base import (
 )
 from hybridflow.workers.rollout.engine import EngineModel, LLMEngine, SamplingParams
 from hybridflow.workers.rollout.engine.kv_cache import slots_for_budget
+from hybridflow.workers.rollout.engine.parallel import SINGLE, GenerationShard
+from hybridflow.workers.rollout.engine.reshard import ReshardLayout, reshard_weights
 from hybridflow.workers.rollout.engine.weight_sync import sync_weights
 
 logger = logging.getLogger(__name__)
@@ -84,6 +91,10 @@ def build_llm_engine(model: EngineModel, config, eos_token_ids=()) -> LLMEngine:
     max_len = engine_max_len(config)
     budget = kv_cache_budget_bytes(config, model.device)
     slots = slots_for_budget(model.spec, max_len, model.dtype, budget, int(config.get("max_num_seqs", 256)))
+    if model.shard.parallel:  # the ranks of a generation group must schedule identically: the fewest slots
+        agreed = torch.tensor([slots], device=model.device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=model.shard.group)
+        slots = int(agreed.item())
     return LLMEngine(
         model,
         max_num_seqs=slots,
@@ -130,10 +141,24 @@ def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list
 
 @register_rollout("engine", "vllm", "sglang")
 class EngineRollout(BaseRollout):
-    """``module`` is the actor's (possibly FSDP2-sharded) HF model; ``config`` the rollout section."""
+    """``module`` is the actor's (possibly FSDP2- and TP-sharded) HF model; ``config`` the rollout
+    section; ``rank`` this process's rank in the actor's group. ``layout`` (training TP and generation
+    TP over the group) and ``shard`` (this rank's place in its generation group) come from the worker;
+    without them the engine holds the whole model."""
 
-    def __init__(self, module: nn.Module, config, rank: int = 0, tokenizer=None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        config,
+        rank: int = 0,
+        tokenizer=None,
+        layout: ReshardLayout | None = None,
+        shard: GenerationShard = SINGLE,
+    ) -> None:
         self.module, self.config, self.rank, self.tokenizer = module, config, rank, tokenizer
+        self.layout = layout
+        # the ranks of one generation group sample the same tokens: they share a seed
+        self.seed_rank = layout.gen_coords(rank)[0] if layout is not None else rank
         self.multi_turn = bool(config.get("multi_turn", {}).get("enable", False))
         self._agent_loop = None
         if config.get("name") in ("vllm", "sglang") and rank == 0:
@@ -141,18 +166,33 @@ class EngineRollout(BaseRollout):
         device = _module_device(module)
         dtype = engine_dtype(config.get("dtype"), device.type)
         self.model = EngineModel.empty_like_hf_module(
-            module, engine_max_len(config), dtype=dtype, device=device
+            module, engine_max_len(config), dtype=dtype, device=device, shard=shard
         )
-        self.last_sync = sync_weights(self.model, module)
+        self.last_sync = self._sync()
         self.engine = build_llm_engine(self.model, config)
         self.free_cache = bool(config.get("free_cache_engine", True))
         if self.free_cache:
             self.engine.release()
 
+    def _sync(self):
+        from hybridflow.workers.lora import is_peft_model
+
+        if self.layout is None or self.layout.trivial or is_peft_model(self.module):
+            return sync_weights(self.model, self.module)
+        return reshard_weights(self.model, self.module, self.layout, self.rank)
+
     def update_weights(self) -> dict[str, float]:
         """Refresh the engine from the actor (a collective over the actor's ranks); returns metrics."""
-        self.last_sync = sync_weights(self.model, self.module)
+        self.last_sync = self._sync()
         return self.last_sync.metrics()
+
+    @property
+    def weights_loaded(self) -> bool:
+        return self.model.allocated
+
+    def release_weights(self) -> None:
+        """Free the engine's weights (the next :meth:`update_weights` re-creates and fills them)."""
+        self.model.release()
 
     def release(self) -> None:
         self.engine.release()
@@ -177,7 +217,7 @@ class EngineRollout(BaseRollout):
         pad_id = int(meta["pad_token_id"])
         params = engine_sampling_params(self.config, meta, eos_ids)
         self.engine.reseed(
-            generation_seed(self.config.get("seed", 0), meta.get("global_steps", 0), self.rank)
+            generation_seed(self.config.get("seed", 0), meta.get("global_steps", 0), self.seed_rank)
         )
         start = time.perf_counter()
         if self.multi_turn:

@@ -11,13 +11,15 @@ Supported: the Llama family (Llama 2/3, SmolLM2, Mistral without sliding window)
 RoPE variant whose frequencies do not depend on the sequence length.
 
 Shapes: B rows in the running batch, L cached positions, H hidden size, nh/nkv query/key-value heads,
-hd head dim, V vocabulary. The math follows the HF implementation op for op (RMSNorm in fp32,
-rotate-half RoPE, scaled softmax attention), which keeps the engine's log-probs within ~1e-6 of
-the trainer's full forward in fp32.
+hd head dim, V vocabulary. With tensor-parallel generation (:mod:`.parallel`) nh, nkv, the MLP width and
+V are this rank's shares: :attr:`EngineModel.spec` is the local layout, ``full_spec`` the model's.
+The math follows the HF implementation op for op (RMSNorm in fp32, rotate-half RoPE, scaled softmax
+attention), which keeps the engine's log-probs within ~1e-6 of the trainer's full forward in fp32.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -26,6 +28,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridflow.workers.lora import hf_parameter_names, merged_hf_weights, unwrap_peft
+from hybridflow.workers.rollout.engine.parallel import (
+    SINGLE,
+    GenerationShard,
+    gather_last_dim,
+    sum_over_group,
+    take_shard,
+)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -84,6 +93,16 @@ class ModelSpec:
             qk_norm=model_type == "qwen3",
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         )
+
+    def sharded(self, size: int) -> ModelSpec:
+        """One rank's share of the layout when split ``size`` ways (heads, MLP width, vocabulary)."""
+        if size == 1:
+            return self
+        split = ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size")
+        bad = [f"{k}={getattr(self, k)}" for k in split if getattr(self, k) % size]
+        if bad:
+            raise ValueError(f"rollout.tensor_model_parallel_size={size} does not divide {', '.join(bad)}")
+        return dataclasses.replace(self, **{k: getattr(self, k) // size for k in split})
 
     @property
     def q_size(self) -> int:
@@ -161,45 +180,82 @@ class EngineModel:
     """Weights in generation layout plus prefill/decode forwards that read and write a KV cache.
 
     Build with :meth:`from_hf_module` (copies the weights now) or :meth:`empty_like_hf_module`
-    (allocates only; fill with :meth:`load_weight`)."""
+    (allocates only; fill with :meth:`load_weight`). ``shard``: this rank's place in a tensor-parallel
+    generation group (:mod:`.parallel`); every rank of the group runs the same forwards."""
 
     def __init__(
-        self, spec: ModelSpec, rope_cos: torch.Tensor, rope_sin: torch.Tensor, dtype, device
+        self,
+        spec: ModelSpec,
+        rope_cos: torch.Tensor,
+        rope_sin: torch.Tensor,
+        dtype,
+        device,
+        shard: GenerationShard = SINGLE,
     ) -> None:
-        self.spec, self.dtype, self.device = spec, dtype, torch.device(device)
+        self.full_spec, self.shard = spec, shard
+        self.spec = spec.sharded(shard.size)
+        self.dtype, self.device = dtype, torch.device(device)
         self.max_positions = rope_cos.shape[0]
         self.rope_cos = rope_cos.to(device=device, dtype=dtype)  # (max_positions, hd)
         self.rope_sin = rope_sin.to(device=device, dtype=dtype)
+        self.act = _activation(spec.hidden_act)
+        self.allocate()
+        self._shapes = {
+            name: (end - start, *target.shape[1:]) for name, (target, start, end) in self._targets.items()
+        }
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self._targets)
+
+    def allocate(self) -> None:
+        """(Re-)create the weight tensors, uninitialised: a sync fills them."""
+        if getattr(self, "_targets", None):
+            return
+        spec, dtype, device = self.spec, self.dtype, self.device
         self.embed = torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
         self.layers = [LayerWeights(spec, dtype, device) for _ in range(spec.num_layers)]
         self.final_norm = torch.empty(spec.hidden_size, dtype=dtype, device=device)
         self.lm_head = self.embed if spec.tie_word_embeddings else torch.empty_like(self.embed)
         self._targets = self._build_targets()
-        self.act = _activation(spec.hidden_act)
+
+    def release(self) -> None:
+        """Drop every weight tensor (between rollouts: no second copy of the model while training)."""
+        self.embed = self.lm_head = self.final_norm = None
+        self.layers, self._targets = [], {}
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def empty_like_hf_module(
-        cls, module: nn.Module, max_positions: int, dtype: torch.dtype | None = None, device=None
+        cls,
+        module: nn.Module,
+        max_positions: int,
+        dtype: torch.dtype | None = None,
+        device=None,
+        shard: GenerationShard = SINGLE,
     ) -> EngineModel:
         """Allocate an engine for ``module``'s architecture (weights uninitialised); a peft-wrapped
         module counts as its base model."""
         spec = ModelSpec.from_hf(unwrap_peft(module).config, hf_parameter_names(module))
         cos, sin = rope_table(unwrap_peft(module), max_positions)
         device = device or _module_device(module)
-        return cls(spec, cos, sin, dtype or torch.float32, device)
+        return cls(spec, cos, sin, dtype or torch.float32, device, shard)
 
     @classmethod
-    def from_hf_module(cls, module: nn.Module, max_positions: int, dtype=None, device=None) -> EngineModel:
-        """An engine holding a copy of ``module``'s (unsharded, LoRA-merged) weights."""
+    def from_hf_module(
+        cls, module: nn.Module, max_positions: int, dtype=None, device=None, shard: GenerationShard = SINGLE
+    ) -> EngineModel:
+        """An engine holding a copy of ``module``'s (unsharded, LoRA-merged) weights, or of this
+        rank's share of them with a ``shard``."""
         from hybridflow.workers.rollout.engine.weight_sync import WeightLedger
 
-        engine = cls.empty_like_hf_module(module, max_positions, dtype, device)
+        engine = cls.empty_like_hf_module(module, max_positions, dtype, device, shard)
         named = [(name, tensor.detach()) for name, tensor in module.named_parameters()]
         ledger = WeightLedger(engine)
         for name, tensor in merged_hf_weights(module, named):
-            if ledger.accept(name, tensor):
-                engine.load_weight(name, tensor)
+            part = take_shard(name, tensor, shard)
+            if ledger.accept(name, part):
+                engine.load_weight(name, part)
         ledger.check()
         return engine
 
@@ -222,10 +278,8 @@ class EngineModel:
         return list(self._targets)
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        """HF parameter name -> the full shape :meth:`load_weight` expects for it."""
-        return {
-            name: (end - start, *target.shape[1:]) for name, (target, start, end) in self._targets.items()
-        }
+        """HF parameter name -> the shape :meth:`load_weight` expects for it (this rank's share)."""
+        return dict(self._shapes)
 
     @property
     def ignored_weight_names(self) -> frozenset[str]:
@@ -233,19 +287,25 @@ class EngineModel:
         return frozenset({"lm_head.weight"}) if self.spec.tie_word_embeddings else frozenset()
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy one full (unsharded) HF parameter into its place in the engine's tensors."""
+        """Copy one HF parameter (this rank's share of it: :meth:`weight_shapes`) into its place."""
         if name == "lm_head.weight" and self.spec.tie_word_embeddings:
             return  # tied: the embedding already holds it
-        try:
-            target, start, end = self._targets[name]
-        except KeyError:
-            raise KeyError(f"engine has no place for parameter {name!r} ({_describe_layer(name)})") from None
-        region = target[start:end]
+        region = self.target(name)
         if region.shape != tensor.shape:
             raise ValueError(
                 f"parameter {name!r}: engine expects {tuple(region.shape)}, got {tuple(tensor.shape)}"
             )
         region.copy_(tensor)
+
+    def target(self, name: str) -> torch.Tensor:
+        """The engine's tensor region (a view) that HF parameter ``name`` fills (allocates released
+        weights first)."""
+        self.allocate()
+        try:
+            target, start, end = self._targets[name]
+        except KeyError:
+            raise KeyError(f"engine has no place for parameter {name!r} ({_describe_layer(name)})") from None
+        return target[start:end]
 
     def parameter_bytes(self) -> int:
         seen, total = set(), 0
@@ -267,7 +327,7 @@ class EngineModel:
         sin = self.rope_sin[lengths].unsqueeze(1)
         visible = torch.arange(span, device=tokens.device).unsqueeze(0) <= lengths.unsqueeze(1)  # (B, span)
         mask = visible[:, None, None, :]
-        x = self.embed[tokens]  # (B, H)
+        x = self._embed(tokens)  # (B, H)
         for layer, (k_cache, v_cache) in zip(self.layers, cache.layers, strict=True):
             q, k, v = self._qkv(layer, rms_norm(x, layer.input_norm, spec.rms_norm_eps), cos, sin)
             k_cache.view(-1, spec.head_dim).index_copy_(0, write_at, k.reshape(-1, spec.head_dim))
@@ -289,7 +349,7 @@ class EngineModel:
         n_prompts, width = tokens.shape
         cos = self.rope_cos[:width].unsqueeze(0)  # (1, T, hd)
         sin = self.rope_sin[:width].unsqueeze(0)
-        x = self.embed[tokens]  # (P, T, H)
+        x = self._embed(tokens)  # (P, T, H)
         for layer, (k_cache, v_cache) in zip(self.layers, cache.layers, strict=True):
             q, k, v = self._qkv(layer, rms_norm(x, layer.input_norm, spec.rms_norm_eps), cos, sin)
             k_cache[slots, :, :width] = k[source]
@@ -320,14 +380,33 @@ class EngineModel:
     def _finish_layer(self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Attention output projection, residual, then the gated MLP and its residual."""
         spec = self.spec
-        x = x + F.linear(attn, layer.o_proj, layer.o_bias)
+        x = x + self._row_parallel(attn, layer.o_proj, layer.o_bias)
         gate, up = F.linear(
             rms_norm(x, layer.post_norm, spec.rms_norm_eps), layer.gate_up, layer.gate_up_bias
         ).chunk(2, dim=-1)
-        return x + F.linear(self.act(gate) * up, layer.down, layer.down_bias)
+        return x + self._row_parallel(self.act(gate) * up, layer.down, layer.down_bias)
+
+    def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` where x and weight hold this rank's share of the inner dimension:
+        the partial products are summed over the group, and the bias is added once after the sum."""
+        if not self.shard.parallel:
+            return F.linear(x, weight, bias)
+        out = sum_over_group(F.linear(x, weight), self.shard)
+        return out if bias is None else out + bias
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Embeddings (..., H) of full-vocabulary ``tokens`` (...): with a vocabulary slice per rank,
+        each looks up its own tokens (zeros for the rest) and the group sums."""
+        if not self.shard.parallel:
+            return self.embed[tokens]
+        local = tokens - self.shard.rank * self.spec.vocab_size
+        mine = (local >= 0) & (local < self.spec.vocab_size)
+        x = self.embed[local.clamp(0, self.spec.vocab_size - 1)] * mine.unsqueeze(-1).to(self.dtype)
+        return sum_over_group(x, self.shard)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.lm_head).float()
+        """fp32 logits (..., V) over the whole vocabulary (gathered from the ranks' slices)."""
+        return gather_last_dim(F.linear(h, self.lm_head).float(), self.shard)
 
 
 def rope_table(module: nn.Module, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:

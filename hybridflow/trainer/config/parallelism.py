@@ -1,0 +1,109 @@
+"""Tensor-parallel layouts that cannot run are start-up errors (HybridFlow §5's 3D-HybridEngine).
+
+Keys: ``actor_rollout_ref.actor.tensor_model_parallel_size`` (t, the actor's training TP; verl's FSDP
+actor has no such key, its Megatron actor does), ``actor_rollout_ref.ref.tensor_model_parallel_size``
+(defaults to t), ``critic.tensor_model_parallel_size`` and ``actor_rollout_ref.rollout
+.tensor_model_parallel_size`` (t_g, verl's key: the generation TP). A layout is accepted when each size
+divides its role's worker processes, t and t_g divide one another (generation groups are formed from
+micro-DP groups of the training TP groups), and the model's heads, key-value heads, MLP width and
+vocabulary divide by every size that splits them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from omegaconf import DictConfig, OmegaConf
+
+TP_KEY = "tensor_model_parallel_size"
+# (section holding the key, the fsdp_config path that names its role's pool, the model path key)
+SECTIONS = (
+    ("actor_rollout_ref.actor", "actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.model.path"),
+    ("actor_rollout_ref.ref", "actor_rollout_ref.ref.fsdp_config", "actor_rollout_ref.model.path"),
+    ("actor_rollout_ref.rollout", "actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.model.path"),
+    ("critic", "critic.model.fsdp_config", "critic.model.path"),
+)
+MODEL_SIZES = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+
+
+def _size(config: DictConfig, section: str) -> int | str:
+    value = OmegaConf.select(config, f"{section}.{TP_KEY}", default=1)
+    return 1 if value is None else value
+
+
+def _model_sizes(path: str) -> dict | None:
+    """``config.json`` facts of a local model directory (None when there is none to read)."""
+    file = os.path.join(os.path.expanduser(str(path)), "config.json")
+    if not os.path.isfile(file):
+        return None
+    with open(file) as handle:
+        raw = json.load(handle)
+    sizes = {key: raw.get(key) for key in MODEL_SIZES}
+    sizes["num_key_value_heads"] = sizes["num_key_value_heads"] or sizes["num_attention_heads"]
+    return {"model_type": raw.get("model_type"), **sizes}
+
+
+def _model_problems(key: str, size: int, facts: dict | None) -> list[str]:
+    from hybridflow.workers.tensor_parallel import TP_MODEL_TYPES
+
+    if facts is None or size == 1:
+        return []
+    if facts["model_type"] not in TP_MODEL_TYPES:
+        return [f"{key}={size}: tensor parallelism supports {TP_MODEL_TYPES}, not {facts['model_type']!r}"]
+    return [
+        f"{key}={size} does not divide the model's {name}={facts[name]}"
+        for name in MODEL_SIZES
+        if isinstance(facts[name], int) and facts[name] % size
+    ]
+
+
+def _in_use(config: DictConfig, section: str) -> bool:
+    from hybridflow.trainer.ppo.ray_trainer import need_critic
+
+    return need_critic(config) if section == "critic" else True
+
+
+def tensor_parallel_problems(config: DictConfig) -> list[str]:
+    """One line per tensor-parallel setting that cannot run (empty: the layout is sound)."""
+    from hybridflow.trainer.config.honesty import _role_world_size
+
+    problems: list[str] = []
+    sizes: dict[str, int] = {}
+    for section, fsdp_path, model_key in SECTIONS:
+        key, size = f"{section}.{TP_KEY}", _size(config, section)
+        if not _in_use(config, section):
+            continue
+        if not isinstance(size, int) or size < 1:
+            problems.append(f"{key}={size!r} must be a positive integer")
+            continue
+        sizes[section] = size
+        world = _role_world_size(config, fsdp_path)
+        if world % size:
+            problems.append(f"{key}={size} does not divide the role's {world} worker processes")
+        problems += _model_problems(key, size, _model_sizes(OmegaConf.select(config, model_key)))
+    return problems + _combination_problems(config, sizes)
+
+
+def _combination_problems(config: DictConfig, sizes: dict[str, int]) -> list[str]:
+    actor, rollout = sizes.get("actor_rollout_ref.actor", 1), sizes.get("actor_rollout_ref.rollout", 1)
+    problems = []
+    if actor % rollout and rollout % actor:
+        problems.append(
+            f"actor_rollout_ref.actor.{TP_KEY}={actor} and rollout.{TP_KEY}={rollout}: one must divide the "
+            "other (generation groups are cut from the training TP groups' micro-DP groups)"
+        )
+    if max(actor, rollout) > 1 and config.actor_rollout_ref.rollout.name not in ("engine", "vllm", "sglang"):
+        problems.append(
+            f"rollout.name={config.actor_rollout_ref.rollout.name}: tensor parallelism (actor or rollout "
+            f"{TP_KEY} > 1) needs the embedded engine; set rollout.name=engine"
+        )
+    if rollout > 1 and config.actor_rollout_ref.rollout.multi_turn.enable:
+        problems.append(
+            f"rollout.{TP_KEY}={rollout} with multi_turn.enable: the ranks of a generation group must step "
+            "their engines in lockstep, which tool calls of varying duration break; set 1"
+        )
+    lora = int(config.actor_rollout_ref.model.get("lora_rank", 0) or 0) > 0
+    if lora and max(actor, sizes.get("actor_rollout_ref.ref", 1)) > 1:
+        problems.append(f"model.lora_rank > 0 with actor/ref {TP_KEY} > 1 is not supported; set 1")
+    return problems
