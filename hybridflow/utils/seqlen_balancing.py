@@ -211,8 +211,11 @@ def _effective_seqlens(batch: TensorDict) -> tuple[torch.Tensor, int]:
 
 
 def _max_over_group(count: int, dp_group) -> int:
-    """All-reduce(max) of ``count`` over ``dp_group`` (CPU tensor for gloo, CUDA for nccl)."""
-    device = "cuda" if dist.get_backend(dp_group) == "nccl" else "cpu"
+    """All-reduce(max) of ``count`` over ``dp_group`` (on the process's device: NCCL reduces device
+    tensors only)."""
+    from hybridflow.utils.device import current_device
+
+    device = current_device()
     value = torch.tensor([count], dtype=torch.int64, device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=dp_group)
     return int(value.item())
