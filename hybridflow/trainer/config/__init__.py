@@ -212,6 +212,9 @@ def _check_unsupported(config: DictConfig) -> list[str]:
             f"rollout.log_prob_parity_check_freq must be >= 1 (steps between parity checks of "
             f"use_rollout_log_probs), got {rollout.log_prob_parity_check_freq}"
         )
+    threads = rollout.get("decode_threads")
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        problems.append(f"rollout.decode_threads must be null or an integer >= 1, got {threads!r}")
     if rollout.multi_turn.enable:
         if rollout.name not in ("engine", "vllm", "sglang"):
             problems.append(

@@ -37,6 +37,7 @@ from hybridflow.workers.rollout.engine import EngineModel, LLMEngine, SamplingPa
 from hybridflow.workers.rollout.engine.kv_cache import slots_for_budget
 from hybridflow.workers.rollout.engine.parallel import SINGLE, GenerationShard
 from hybridflow.workers.rollout.engine.reshard import ReshardLayout, reshard_weights
+from hybridflow.workers.rollout.engine.threaded import decode_shards, generate_threaded, sub_engines
 from hybridflow.workers.rollout.engine.weight_sync import sync_weights
 
 logger = logging.getLogger(__name__)
@@ -86,11 +87,13 @@ def engine_max_len(config) -> int:
     return int(config.get("max_model_len") or int(config.prompt_length) + int(config.response_length))
 
 
-def build_llm_engine(model: EngineModel, config, eos_token_ids=()) -> LLMEngine:
-    """An engine over ``model`` sized by a rollout config section (KV-cache budget, batch limits, seed)."""
+def build_llm_engine(model: EngineModel, config, eos_token_ids=(), share: int = 1) -> LLMEngine:
+    """An engine over ``model`` sized by a rollout config section (KV-cache budget, batch limits, seed);
+    ``share`` engines splitting the budget and ``max_num_seqs`` get 1/share each."""
     max_len = engine_max_len(config)
-    budget = kv_cache_budget_bytes(config, model.device)
-    slots = slots_for_budget(model.spec, max_len, model.dtype, budget, int(config.get("max_num_seqs", 256)))
+    budget = kv_cache_budget_bytes(config, model.device) // share
+    max_seqs = max(1, int(config.get("max_num_seqs", 256)) // share)
+    slots = slots_for_budget(model.spec, max_len, model.dtype, budget, max_seqs)
     if model.shard.parallel:  # the ranks of a generation group must schedule identically: the fewest slots
         agreed = torch.tensor([slots], device=model.device)
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=model.shard.group)
@@ -170,6 +173,8 @@ class EngineRollout(BaseRollout):
         )
         self.last_sync = self._sync()
         self.engine = build_llm_engine(self.model, config)
+        self._decode_engines: list[LLMEngine] = []  # threaded decoding (engine/threaded.py), built on use
+        self._call_seed = 0
         self.free_cache = bool(config.get("free_cache_engine", True))
         if self.free_cache:
             self.engine.release()
@@ -195,20 +200,28 @@ class EngineRollout(BaseRollout):
         self.model.release()
 
     def release(self) -> None:
-        self.engine.release()
+        for engine in (self.engine, *self._decode_engines):
+            engine.release()
 
     def resume(self) -> None:
         self.engine.resume()
 
     @contextlib.contextmanager
-    def _kv_cache(self):
-        """The KV cache exists for the duration (and is freed after it with ``free_cache_engine``)."""
-        self.resume()
+    def _kv_cache(self, engines: list[LLMEngine] | None = None):
+        """The KV caches of ``engines`` (default: the main engine) exist for the duration, and only
+        theirs (freed after it with ``free_cache_engine``)."""
+        engines = engines or [self.engine]
+        for engine in (self.engine, *self._decode_engines):
+            if all(engine is not chosen for chosen in engines):
+                engine.release()
+        for engine in engines:
+            engine.resume()
         try:
             yield
         finally:
             if self.free_cache:
-                self.release()
+                for engine in engines:
+                    engine.release()
 
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -216,9 +229,10 @@ class EngineRollout(BaseRollout):
         eos_ids = meta["eos_token_id"] if isinstance(meta["eos_token_id"], list) else [meta["eos_token_id"]]
         pad_id = int(meta["pad_token_id"])
         params = engine_sampling_params(self.config, meta, eos_ids)
-        self.engine.reseed(
-            generation_seed(self.config.get("seed", 0), meta.get("global_steps", 0), self.seed_rank)
+        self._call_seed = generation_seed(
+            self.config.get("seed", 0), meta.get("global_steps", 0), self.seed_rank
         )
+        self.engine.reseed(self._call_seed)
         start = time.perf_counter()
         if self.multi_turn:
             output = self._generate_conversations(prompts, params, eos_ids, pad_id)
@@ -229,11 +243,21 @@ class EngineRollout(BaseRollout):
 
     def _generate_single_turn(self, prompts: DataProto, params: SamplingParams, eos_ids, pad_id) -> DataProto:
         groups = prompt_groups(prompts.batch[keys.INPUT_IDS], prompts.batch[keys.ATTENTION_MASK])
-        with self._kv_cache():
-            requests = [self.engine.add_request(prompt, params, n) for prompt, n in groups]
-            while self.engine.has_unfinished():
-                self.engine.step()
-        completions = [c for r in requests for c in r.completions]
+        threads = decode_shards(
+            self.config.get("decode_threads"), self.model.device, len(groups), not self.model.shard.parallel
+        )
+        if threads > 1:  # one engine per thread, one torch thread each (engine/threaded.py)
+            engines = sub_engines(
+                lambda k: build_llm_engine(self.model, self.config, share=k), threads, self._decode_engines
+            )
+            with self._kv_cache(engines):
+                completions = generate_threaded(engines, groups, params, self._call_seed)
+        else:
+            with self._kv_cache():
+                requests = [self.engine.add_request(prompt, params, n) for prompt, n in groups]
+                while self.engine.has_unfinished():
+                    self.engine.step()
+            completions = [c for r in requests for c in r.completions]
         response_length = int(self.config.response_length)
         # rows are built on the host from the engine's token lists; assemble_output moves them once
         responses = torch.full((len(completions), response_length), pad_id, dtype=torch.long)
