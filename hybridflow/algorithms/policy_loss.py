@@ -123,8 +123,10 @@ class PolicyLossConfig:
         like object: ``clip_ratio*``, ``loss_agg_mode``, ``policy_loss.{loss_mode, ...}``,
         ``global_batch_info``). ``loss_agg_mode`` (verl passes it separately) wins over the config's."""
         if isinstance(config, cls):
-            return config if loss_agg_mode in (None, config.loss_agg_mode) else dataclasses.replace(
-                config, loss_agg_mode=loss_agg_mode
+            return (
+                config
+                if loss_agg_mode in (None, config.loss_agg_mode)
+                else dataclasses.replace(config, loss_agg_mode=loss_agg_mode)
             )
         section = _read(config, "policy_loss")
         batch_info = _read(config, "global_batch_info", {})

@@ -13,6 +13,7 @@ import socket
 from datetime import timedelta
 
 from hybridflow.single_controller.decorator import Dispatch, Execute, register
+from hybridflow.utils.host_memory import keep_freed_host_memory
 
 
 def configure_torch_threads() -> int:
@@ -40,6 +41,7 @@ class Worker:
 
     def __init__(self) -> None:
         configure_torch_threads()
+        keep_freed_host_memory()  # step-sized host buffers stay in the process (utils/host_memory.py)
         self._dispatch_info: dict[str, tuple[int, bool]] = {}
 
     # ------------------------------------------------------------------ identity from the environment

@@ -82,7 +82,12 @@ def test_user_loss_with_verl_signature_runs_in_the_dispatcher(scratch_registries
 
     @register_policy_loss("margin_pg")
     def margin_pg(
-        old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode="token-mean",
+        config=None,
         rollout_is_weights=None,
     ):
         seen["margin"] = config.policy_loss.my_margin
@@ -124,8 +129,12 @@ def test_adv_estimator_enum_and_verl_signature(scratch_registries):
     mask = torch.ones_like(rewards)
     index = np.array(["a", "a", "a", "b"], dtype=object)
     adv, returns = get_adv_estimator_fn("grpo")(
-        token_level_rewards=rewards, response_mask=mask, index=index, epsilon=1e-6,
-        norm_adv_by_std_in_grpo=True, config=None,
+        token_level_rewards=rewards,
+        response_mask=mask,
+        index=index,
+        epsilon=1e-6,
+        norm_adv_by_std_in_grpo=True,
+        config=None,
     )
     std = math.sqrt(1 / 3)
     e = 1e-6

@@ -37,7 +37,12 @@ from hybridflow.workers.rollout.engine import EngineModel, LLMEngine, SamplingPa
 from hybridflow.workers.rollout.engine.kv_cache import slots_for_budget
 from hybridflow.workers.rollout.engine.parallel import SINGLE, GenerationShard
 from hybridflow.workers.rollout.engine.reshard import ReshardLayout, reshard_weights
-from hybridflow.workers.rollout.engine.threaded import decode_shards, generate_threaded, sub_engines
+from hybridflow.workers.rollout.engine.threaded import (
+    decode_shards,
+    generate_threaded,
+    split_groups,
+    sub_engines,
+)
 from hybridflow.workers.rollout.engine.weight_sync import sync_weights
 
 logger = logging.getLogger(__name__)
@@ -106,6 +111,13 @@ def build_llm_engine(model: EngineModel, config, eos_token_ids=(), share: int = 
         max_num_batched_tokens=int(config.get("max_num_batched_tokens", 8192)),
         seed=int(config.get("seed", 0)),
     )
+
+
+def call_cache_size(groups: list[tuple[list[int], int]], params: SamplingParams) -> tuple[int, int]:
+    """``(rows, length)`` of KV cache that one call over ``(prompt, n)`` groups can use: every sample
+    at once, each as long as the longest prompt plus ``max_new_tokens``."""
+    rows = sum(n for _, n in groups)
+    return rows, max(len(prompt) for prompt, _ in groups) + int(params.max_new_tokens)
 
 
 def engine_sampling_params(config, meta: dict, eos_ids: list[int]) -> SamplingParams:
@@ -207,15 +219,21 @@ class EngineRollout(BaseRollout):
         self.engine.resume()
 
     @contextlib.contextmanager
-    def _kv_cache(self, engines: list[LLMEngine] | None = None):
+    def _kv_cache(self, engines: list[LLMEngine] | None = None, sizes: list[tuple[int, int]] | None = None):
         """The KV caches of ``engines`` (default: the main engine) exist for the duration, and only
-        theirs (freed after it with ``free_cache_engine``)."""
+        theirs (freed after it with ``free_cache_engine``). ``sizes``: ``(rows, length)`` per engine,
+        the most the call will run on it (None: each engine's full budget)."""
         engines = engines or [self.engine]
         for engine in (self.engine, *self._decode_engines):
             if all(engine is not chosen for chosen in engines):
                 engine.release()
-        for engine in engines:
-            engine.resume()
+        for index, engine in enumerate(engines):
+            if sizes is None or not self.free_cache:
+                engine.resume()
+            elif index < len(sizes):  # re-created per call anyway: sized to the call
+                engine.release()
+                engine.resume(*sizes[index])
+            # else: an engine this call leaves idle (fewer shards than engines) gets no cache
         try:
             yield
         finally:
@@ -250,10 +268,11 @@ class EngineRollout(BaseRollout):
             engines = sub_engines(
                 lambda k: build_llm_engine(self.model, self.config, share=k), threads, self._decode_engines
             )
-            with self._kv_cache(engines):
+            sizes = [call_cache_size(shard, params) for shard in split_groups(groups, threads)]
+            with self._kv_cache(engines, sizes):
                 completions = generate_threaded(engines, groups, params, self._call_seed)
         else:
-            with self._kv_cache():
+            with self._kv_cache(sizes=[call_cache_size(groups, params)]):
                 requests = [self.engine.add_request(prompt, params, n) for prompt, n in groups]
                 while self.engine.has_unfinished():
                     self.engine.step()

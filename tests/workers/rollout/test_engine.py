@@ -179,6 +179,27 @@ def test_release_frees_the_cache_and_resume_restores_generation(model):
     assert [r.completions[0].token_ids for r in before] == [r.completions[0].token_ids for r in after]
 
 
+def test_a_cache_sized_to_the_call_generates_the_same_tokens_and_log_probs(model):
+    """resume(rows, length): only what the call runs is allocated, and the output is unchanged."""
+    prompts = _prompts(5, seed=11)
+    params = SamplingParams(max_new_tokens=6, do_sample=False, ignore_eos=True)
+    full = _engine(model).generate_batch(prompts, params, n=2)
+    engine = _engine(model)
+    engine.release()
+    rows, length = 2 * len(prompts), max(map(len, prompts)) + params.max_new_tokens
+    engine.resume(rows, length)
+    assert (engine.cache.num_slots, engine.cache.max_len) == (rows, length)
+    assert engine.cache.layers[0][0].shape[::2] == (rows, length)
+    sized = engine.generate_batch(prompts, params, n=2)
+    for a, b in zip(full, sized, strict=True):
+        assert [c.token_ids for c in a.completions] == [c.token_ids for c in b.completions]
+        for ca, cb in zip(a.completions, b.completions, strict=True):
+            torch.testing.assert_close(torch.tensor(ca.log_probs), torch.tensor(cb.log_probs))
+    engine.release()
+    engine.resume(10**6, 10**6)  # never above the budget: max_num_seqs x max_model_len
+    assert (engine.cache.num_slots, engine.cache.max_len) == (16, 64)
+
+
 def test_stop_tokens_and_length_limits(model):
     prompt = _prompts(1, seed=9)[0]
     free = _engine(model).generate_batch(

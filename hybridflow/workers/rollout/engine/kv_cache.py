@@ -2,7 +2,10 @@
 
 Each running sequence owns one slot (a row). The engine keeps its running batch packed into the
 first B slots, so a decode step reads plain slices; when a sequence finishes, the last running row is
-moved into its slot (:meth:`KVCache.move_rows`). The slot count comes from a memory budget.
+moved into its slot (:meth:`KVCache.move_rows`). The slot count comes from a memory budget; a call
+that knows its rows and lengths allocates only what it needs (:meth:`KVCache.allocate`), since the
+cache is re-created for every rollout (``free_cache_engine``) and zeroing a budget-sized cache costs
+more than decoding a few short answers.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ class KVCache:
     """``layers[i]`` is ``(keys, values)``, each (slots, nkv, max_len, hd). Empty after :meth:`release`."""
 
     def __init__(self, spec: ModelSpec, num_slots: int, max_len: int, dtype: torch.dtype, device) -> None:
-        self.spec, self.num_slots, self.max_len = spec, int(num_slots), int(max_len)
-        self.dtype, self.device = dtype, torch.device(device)
+        self.spec, self.dtype, self.device = spec, dtype, torch.device(device)
+        self.capacity_slots, self.capacity_len = int(num_slots), int(max_len)
+        # the allocated shape: the capacity unless allocate() was asked for less
+        self.num_slots, self.max_len = self.capacity_slots, self.capacity_len
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.allocate()
 
@@ -49,9 +54,13 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers)
 
-    def allocate(self) -> None:
+    def allocate(self, slots: int | None = None, length: int | None = None) -> None:
+        """Create the cache tensors: ``slots`` rows of ``length`` positions (each at most the capacity;
+        None: the capacity). A no-op while allocated."""
         if self.allocated:
             return
+        self.num_slots = min(self.capacity_slots, int(slots)) if slots else self.capacity_slots
+        self.max_len = min(self.capacity_len, int(length)) if length else self.capacity_len
         shape = (self.num_slots, self.spec.num_kv_heads, self.max_len, self.spec.head_dim)
         # zeros, not empty: masked positions still meet V in attention (0 x NaN garbage would be NaN)
         self.layers = [

@@ -112,10 +112,11 @@ class LLMEngine:
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise ValueError("empty prompt: the engine needs at least one prompt token")
-        if len(prompt_ids) >= self.max_model_len:
+        max_len = self.cache.max_len  # max_model_len, or less where resume() sized the cache down
+        if len(prompt_ids) >= max_len:
             raise ValueError(
                 f"prompt of {len(prompt_ids)} tokens leaves no room to generate within "
-                f"max_model_len={self.max_model_len}"
+                f"max_model_len={max_len}"
             )
         if n > self.cache.num_slots:
             raise ValueError(f"n={n} samples exceed the {self.cache.num_slots} KV-cache slots (max_num_seqs)")
@@ -128,7 +129,7 @@ class LLMEngine:
             params=params,
             n=int(n),
             stop_ids=stop_ids,
-            max_new_tokens=min(params.max_new_tokens, self.max_model_len - len(prompt_ids)),
+            max_new_tokens=min(params.max_new_tokens, max_len - len(prompt_ids)),
             completions=[None] * int(n),
         )
         self._waiting.append(request)
@@ -166,9 +167,11 @@ class LLMEngine:
             raise RuntimeError("cannot release the KV cache while requests are running")
         self.cache.release()
 
-    def resume(self) -> None:
-        """Re-create the KV cache freed by :meth:`release`."""
-        self.cache.allocate()
+    def resume(self, rows: int | None = None, length: int | None = None) -> None:
+        """Re-create the KV cache freed by :meth:`release`: ``rows`` slots of ``length`` positions when
+        the caller knows that is all it will run (the samples of its requests, their longest prompt
+        plus ``max_new_tokens``), else ``max_num_seqs`` x ``max_model_len``."""
+        self.cache.allocate(rows, length)
 
     # ------------------------------------------------------------------ scheduling
     def step(self) -> list[_Request]:
