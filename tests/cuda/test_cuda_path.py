@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from hybridflow.trainer.config import load_config
 from hybridflow.trainer.main_ppo import run_ppo
+from tests.tiny_run import as_overrides, tiny_run_values
 
 pytestmark = [
     pytest.mark.cuda,
@@ -27,33 +28,23 @@ BF16_PARITY_MEAN, BF16_PARITY_MAX = 0.05, 1.0
 
 
 def _overrides(model_dir, data, tmp_path, **extra) -> list[str]:
-    train, test = data
-    values = {
-        "data.train_files": train,
-        "data.val_files": test,
-        "actor_rollout_ref.model.path": model_dir,
-        "data.train_batch_size": 4,
-        "data.max_prompt_length": 40,
-        "data.max_response_length": 6,
-        "actor_rollout_ref.rollout.n": 2,
-        "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
-        "actor_rollout_ref.actor.optim.lr": 1e-3,
-        "actor_rollout_ref.actor.use_kl_loss": True,
-        "actor_rollout_ref.rollout.kv_cache_memory_gb": 0.5,
-        "critic.optim.lr": 1e-3,
-        "trainer.device": "cuda",
-        "trainer.n_gpus_per_node": 1,
-        "trainer.logger": "[jsonl]",
-        "trainer.progress_bar": False,
-        "trainer.plot_curves": False,
-        "trainer.default_local_dir": str(tmp_path / "ckpt"),
-        "trainer.resume_mode": "disable",
-        "trainer.val_before_train": False,
-        "trainer.total_training_steps": 2,
-    }
-    values.update(extra)
-    return [f"{k}={v}" for k, v in values.items()]
+    values = tiny_run_values(
+        model_dir,
+        data,
+        tmp_path / "ckpt",
+        **{
+            "actor_rollout_ref.actor.optim.lr": 1e-3,
+            "actor_rollout_ref.actor.use_kl_loss": True,
+            "actor_rollout_ref.rollout.kv_cache_memory_gb": 0.5,
+            "critic.optim.lr": 1e-3,
+            "trainer.device": "cuda",
+            "trainer.n_gpus_per_node": 1,
+            "trainer.resume_mode": "disable",
+            "trainer.total_training_steps": 2,
+            **extra,
+        },
+    )
+    return as_overrides(values)
 
 
 def _run(model_dir, data, tmp_path, monkeypatch, name: str, **extra) -> dict[int, dict]:

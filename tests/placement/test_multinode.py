@@ -24,6 +24,7 @@ import pytest
 
 from hybridflow.utils.checkpoint.tracker import read_latest_checkpointed_iteration
 from hybridflow.utils.process_reaper import descendants
+from tests.tiny_run import as_overrides, tiny_run_values
 
 ENV = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
 COMPARED = ["critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm"]
@@ -86,32 +87,22 @@ def cluster(tmp_path_factory):
 
 
 def _main_ppo(cluster, tiny_model_dir, arithmetic_data, workdir: Path, **overrides) -> subprocess.Popen:
-    train, test = arithmetic_data
-    values = {
-        "data.train_files": train,
-        "data.val_files": test,
-        "actor_rollout_ref.model.path": tiny_model_dir,
-        "data.train_batch_size": 4,
-        "data.max_prompt_length": 40,
-        "data.max_response_length": 6,
-        "actor_rollout_ref.rollout.n": 2,
-        "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
-        "actor_rollout_ref.actor.optim.lr": 1e-3,
-        "trainer.logger": "[jsonl]",
-        "trainer.progress_bar": False,
-        "trainer.plot_curves": False,
-        "trainer.val_before_train": False,
-        "trainer.resume_mode": "disable",
-        "trainer.default_local_dir": str(workdir / "ckpt"),
-        "trainer.experiment_name": "run",
-        "ray_init.address": cluster.address,
-        **overrides,
-    }
+    values = tiny_run_values(
+        tiny_model_dir,
+        arithmetic_data,
+        workdir / "ckpt",
+        **{
+            "actor_rollout_ref.actor.optim.lr": 1e-3,
+            "trainer.resume_mode": "disable",
+            "trainer.experiment_name": "run",
+            "ray_init.address": cluster.address,
+            **overrides,
+        },
+    )
     workdir.mkdir(parents=True, exist_ok=True)
     with (workdir / "main_ppo.log").open("wb") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "hybridflow.trainer.main_ppo", *[f"{k}={v}" for k, v in values.items()]],
+            [sys.executable, "-m", "hybridflow.trainer.main_ppo", *as_overrides(values)],
             cwd=workdir,
             env=ENV,
             stdout=log,

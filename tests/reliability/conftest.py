@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from hybridflow.utils.process_reaper import descendants
+from tests.tiny_run import tiny_run_values
 
 PROJECT, EXPERIMENT = "hybridflow", "reliability"
 
@@ -119,27 +120,14 @@ def main_ppo(tiny_model_dir, arithmetic_data, tmp_path):
     """``start(**overrides) -> Run``: a small GRPO run (4 prompts x 2 responses, 2 workers, jsonl log)
     saving under ``tmp_path/ckpt`` unless overridden. Everything it started is killed at teardown."""
     runs: list[Run] = []
-    train, test = arithmetic_data
 
     def start(**overrides) -> Run:
-        values = {
-            "data.train_files": train,
-            "data.val_files": test,
-            "actor_rollout_ref.model.path": tiny_model_dir,
-            "data.train_batch_size": 4,
-            "data.max_prompt_length": 40,
-            "data.max_response_length": 6,
-            "actor_rollout_ref.rollout.n": 2,
-            "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
-            "trainer.logger": "[jsonl]",
-            "trainer.progress_bar": False,
-            "trainer.plot_curves": False,
-            "trainer.val_before_train": False,
-            "trainer.experiment_name": EXPERIMENT,
-            "trainer.default_local_dir": str(tmp_path / "ckpt"),
-            "ray_init.num_cpus": 4,
-        }
+        values = tiny_run_values(
+            tiny_model_dir,
+            arithmetic_data,
+            tmp_path / "ckpt",
+            **{"trainer.experiment_name": EXPERIMENT, "ray_init.num_cpus": 4},
+        )
         values.update({key.replace("__", "."): value for key, value in overrides.items()})
         run = Run(tmp_path, values)
         runs.append(run)

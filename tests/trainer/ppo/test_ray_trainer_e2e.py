@@ -17,6 +17,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.trainer.config import load_config
 from hybridflow.trainer.main_ppo import run_ppo
 from hybridflow.trainer.ppo.workers_setup import build_worker_groups
+from tests.tiny_run import PPO_EXTRA, as_overrides, tiny_run_values
 
 COMPARED_KEYS = [
     "actor/pg_loss",
@@ -31,31 +32,13 @@ COMPARED_KEYS = [
 
 
 def _overrides(tiny_model_dir, arithmetic_data, tmp_path, **extra) -> list[str]:
-    train, test = arithmetic_data
-    values = {
-        "data.train_files": train,
-        "data.val_files": test,
-        "actor_rollout_ref.model.path": tiny_model_dir,
-        "data.train_batch_size": 4,
-        "data.max_prompt_length": 40,
-        "data.max_response_length": 6,
-        "actor_rollout_ref.rollout.n": 2,
-        "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1,
-        "actor_rollout_ref.actor.optim.lr": 1e-3,
-        "actor_rollout_ref.actor.use_kl_loss": True,
-        "critic.enable": True,
-        "critic.optim.lr": 1e-3,
-        "trainer.logger": "[jsonl]",
-        "trainer.progress_bar": False,
-        "trainer.plot_curves": False,
-        "trainer.default_local_dir": str(tmp_path / "ckpt"),
-        "trainer.resume_mode": "disable",
-        "trainer.val_before_train": False,
-        "trainer.total_training_steps": 2,
-    }
-    values.update(extra)
-    return [f"{k}={v}" for k, v in values.items()]
+    values = tiny_run_values(
+        tiny_model_dir,
+        arithmetic_data,
+        tmp_path / "ckpt",
+        **{**PPO_EXTRA, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1, **extra},
+    )
+    return as_overrides(values)
 
 
 def _config(*args, **kwargs):
