@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hybridflow.models.attention import register_cpu_attention
+from hybridflow.utils.device import device_type
 from hybridflow.workers.fsdp_utils import (
     apply_fsdp2,
     build_lr_scheduler,
@@ -73,13 +75,21 @@ def load_hf_model(model_cfg, kind: str, dtype: torch.dtype, seed: int = 0) -> nn
     for key, value in extra.items():
         setattr(config, key, value)
     auto_cls = getattr(transformers, AUTO_CLASSES[kind])
+    attention = {}
+    if device_type() == "cpu" and "attn_implementation" not in (model_cfg.get("override_config") or {}):
+        # short-sequence attention without SDPA's slow CPU kernel (hybridflow/models/attention.py)
+        attention["attn_implementation"] = register_cpu_attention()
     torch.manual_seed(seed)
     verbosity = transformers.logging.get_verbosity()
     if kind != "causal_lm":  # the new head is expected to be missing from an LM checkpoint: no load report
         transformers.logging.set_verbosity_error()
     try:
         model = auto_cls.from_pretrained(
-            path, config=config, dtype=dtype, trust_remote_code=model_cfg.get("trust_remote_code", False)
+            path,
+            config=config,
+            dtype=dtype,
+            trust_remote_code=model_cfg.get("trust_remote_code", False),
+            **attention,
         )
     finally:
         transformers.logging.set_verbosity(verbosity)

@@ -265,3 +265,19 @@ def test_bf16_engine_tracks_the_fp32_model():
     diff = (reported - reference).abs()
     assert engine.model.embed.dtype == torch.bfloat16
     assert diff.mean().item() < 0.05 and diff.max().item() < 0.5, diff
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_decode_attention_equals_sdpa(dtype):
+    from hybridflow.workers.rollout.engine.model import decode_attention
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(6, 4, 1, 16, generator=gen).to(dtype)
+    k, v = (torch.randn(6, 2, 30, 16, generator=gen).to(dtype) for _ in range(2))
+    lengths = torch.tensor([0, 3, 10, 29, 17, 5])
+    visible = torch.arange(30)[None] <= lengths[:, None]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=visible[:, None, None, :], enable_gqa=True
+    )
+    tolerance = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(decode_attention(q, k, v, visible).double(), expected, atol=tolerance, rtol=0)

@@ -171,6 +171,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor
+) -> torch.Tensor:
+    """Attention of one new query per row over its cached keys: q (B, nh, 1, hd), k and v
+    (B, nkv, L, hd), visible (B, L) bool → (B, nh, 1, hd); query head ``h`` reads kv head
+    ``h // (nh / nkv)`` as in HF's ``repeat_kv``.
+
+    On CUDA this is SDPA. On the CPU SDPA's flash kernel is slow for a single query (measured for
+    B = 32, 4/2 heads of 64, L = 146, one thread: fp32 460 us against 376 us here; bf16 2257 us
+    against 547 us), so it is two batched matmuls with the softmax in fp32, as HF's eager attention."""
+    if q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None, None, :], enable_gqa=True)
+    batch, num_heads, _, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    grouped = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * head_dim**-0.5  # (B, nkv, g, L)
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(batch, num_heads, 1, head_dim)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -326,15 +347,12 @@ class EngineModel:
         cos = self.rope_cos[lengths].unsqueeze(1)  # (B, 1, hd)
         sin = self.rope_sin[lengths].unsqueeze(1)
         visible = torch.arange(span, device=tokens.device).unsqueeze(0) <= lengths.unsqueeze(1)  # (B, span)
-        mask = visible[:, None, None, :]
         x = self._embed(tokens)  # (B, H)
         for layer, (k_cache, v_cache) in zip(self.layers, cache.layers, strict=True):
             q, k, v = self._qkv(layer, rms_norm(x, layer.input_norm, spec.rms_norm_eps), cos, sin)
             k_cache.view(-1, spec.head_dim).index_copy_(0, write_at, k.reshape(-1, spec.head_dim))
             v_cache.view(-1, spec.head_dim).index_copy_(0, write_at, v.reshape(-1, spec.head_dim))
-            attn = F.scaled_dot_product_attention(
-                q, k_cache[:batch, :, :span], v_cache[:batch, :, :span], attn_mask=mask, enable_gqa=True
-            )  # (B, nh, 1, hd)
+            attn = decode_attention(q, k_cache[:batch, :, :span], v_cache[:batch, :, :span], visible)
             x = self._finish_layer(layer, x, attn.reshape(batch, spec.q_size))
         return self._logits(rms_norm(x, self.final_norm, spec.rms_norm_eps))
 
