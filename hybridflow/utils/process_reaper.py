@@ -25,6 +25,9 @@ import subprocess
 import sys
 
 SCAN_INTERVAL_S = 2.0
+# PF_EXITING in /proc/<pid>/stat's flags: set as a task starts to exit, before its open files are
+# closed (which is what wakes the reaper) and before its children are re-parented
+PF_EXITING = 0x4
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
@@ -35,6 +38,16 @@ def _stat(pid: int) -> tuple[int, int] | None:
     except (OSError, IndexError):
         return None
     return int(fields[1]), int(fields[19])
+
+
+def exiting_or_gone(pid: int) -> bool:
+    """Whether ``pid`` has started to exit (or is a zombie, or gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return True
+    return fields[0] in (b"Z", b"X", b"x") or bool(int(fields[6]) & PF_EXITING)
 
 
 def descendants(root: int) -> dict[int, int]:
@@ -81,7 +94,9 @@ def watch(driver: int, pipe_fd: int) -> None:
         ready, _, _ = select.select([pipe_fd], [], [], SCAN_INTERVAL_S)
         if ready and not os.read(pipe_fd, 1024):
             break
-    owned = descendants(driver)  # empty once the driver is dead
+    # A killed driver's pipe closes while it is still exiting: its children are not re-parented yet
+    # and would look owned. Once it has started to exit, nothing is owned.
+    owned = {} if exiting_or_gone(driver) else descendants(driver)
     kill_recorded({pid: start for pid, start in recorded.items() if owned.get(pid) != start}, spare=me)
 
 

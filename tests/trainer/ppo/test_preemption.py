@@ -100,3 +100,18 @@ def test_closing_the_reaper_kills_only_orphans_never_a_child_the_driver_owns():
     orphan, owned_alive = map(int, out.stdout.split())
     assert not _alive(orphan), out.stderr
     assert owned_alive == 1, out.stderr
+
+
+def test_a_driver_that_started_to_exit_owns_nothing():
+    """The reaper wakes when a killed driver's pipe closes, which happens before the kernel re-parents
+    the driver's children: from then on the driver counts as gone (PF_EXITING), not as their owner."""
+    from hybridflow.utils.process_reaper import exiting_or_gone
+
+    assert not exiting_or_gone(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while not exiting_or_gone(child.pid) and time.monotonic() < deadline:  # a zombie until waited for
+        time.sleep(0.05)
+    assert exiting_or_gone(child.pid)
+    child.wait()
+    assert exiting_or_gone(child.pid)  # gone
