@@ -24,6 +24,33 @@ CPU_ATTENTION = "hybridflow_cpu"
 EAGER_MAX_BYTES = 32 * 2**20
 
 
+def grouped_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Softmax attention as two matmuls, the softmax in fp32 at least (as HF's eager attention).
+
+    query (B, nh, Tq, hd), key and value (B, nkv, Tk, hd), keep (B | 1, 1, Tq, Tk) bool (True:
+    attend) or an additive float mask, or None → (B, nh, Tq, hd). Query head ``h`` reads kv head
+    ``h // g`` (g = nh / nkv, HF's ``repeat_kv``); the g heads of a group are one (g * Tq)-row
+    matmul, so the keys are never repeated. A row that attends nothing gets the dtype's minimum,
+    not -inf, and stays finite."""
+    batch, num_heads, q_len, head_dim = query.shape
+    num_kv_heads, kv_len = key.shape[1], key.shape[2]
+    groups = num_heads // num_kv_heads
+    rows = query.reshape(batch, num_kv_heads, groups * q_len, head_dim)
+    scores = torch.matmul(rows, key.transpose(-1, -2)) * scale  # (B, nkv, g * Tq, Tk)
+    if keep is not None:
+        scores = scores.view(batch, num_kv_heads, groups, q_len, kv_len)
+        mask = keep.unsqueeze(2)  # (B | 1, 1, 1, Tq, Tk): the same for every head
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+        scores = scores.view(batch, num_kv_heads, groups * q_len, kv_len)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+    return torch.matmul(weights.to(value.dtype), value).view(batch, num_heads, q_len, head_dim)
+
+
 def cpu_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -38,34 +65,26 @@ def cpu_attention_forward(
     """query (B, nh, Tq, hd), key and value (B, nkv, Tk, hd), attention_mask (B | 1, 1, Tq, Tk) bool
     (True: attend) or additive float, or None (causal) → output (B, Tq, nh, hd), as HF's attention
     functions return it."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     batch, num_heads, q_len, head_dim = query.shape
     kv_len = key.shape[2]
-    if query.device.type != "cpu" or batch * num_heads * q_len * kv_len * 4 > EAGER_MAX_BYTES:
-        return sdpa_attention_forward(
+    too_big = batch * num_heads * q_len * kv_len * 4 > EAGER_MAX_BYTES
+    if query.device.type != "cpu" or too_big or (dropout > 0 and module.training):
+        return _sdpa_forward()(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
         )
-    groups = num_heads // key.shape[1]
-    if groups > 1:  # kv head j serves query heads j*groups .. (j+1)*groups - 1 (HF's repeat_kv)
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    scale = scaling if scaling is not None else head_dim**-0.5
-    scores = torch.matmul(query, key.transpose(2, 3)) * scale  # (B, nh, Tq, Tk)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if attention_mask is None and causal and q_len > 1:
         attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            # the dtype's minimum, not -inf: a row that attends nothing (padding) stays finite
-            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
-        else:
-            scores = scores + attention_mask
-    # the softmax in fp32 at least (bf16 scores), as HF's eager attention
-    weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
-    weights = weights.to(query.dtype)
-    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), None
+        attention_mask = attention_mask[None, None]
+    scale = scaling if scaling is not None else head_dim**-0.5
+    out = grouped_attention(query, key, value, attention_mask, scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _sdpa_forward():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
 
 
 def register_cpu_attention() -> str:

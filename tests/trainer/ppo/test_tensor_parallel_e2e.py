@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 
 from hybridflow.trainer.config import load_config
 from hybridflow.trainer.main_ppo import run_ppo
+from tests.tiny_run import as_overrides, tiny_run_values
 
 SCORER = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -28,35 +29,26 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def _run(tmp: Path, model_dir: str, data, actor_tp: int, rollout_tp: int) -> dict[int, dict]:
-    train, test = data
     scorer = tmp / "scorer.py"
     scorer.write_text(SCORER)
-    values = {
-        "data.train_files": train,
-        "data.val_files": test,
-        "actor_rollout_ref.model.path": model_dir,
-        "data.train_batch_size": 4,
-        "data.max_prompt_length": 40,
-        "data.max_response_length": 6,
-        "actor_rollout_ref.rollout.n": 2,
-        "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
-        "actor_rollout_ref.actor.reuse_update_log_probs": False,
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
-        "actor_rollout_ref.actor.optim.lr": 1e-3,
-        "actor_rollout_ref.actor.use_kl_loss": True,
-        "actor_rollout_ref.actor.tensor_model_parallel_size": actor_tp,
-        "actor_rollout_ref.rollout.tensor_model_parallel_size": rollout_tp,
-        "custom_reward_function.path": str(scorer),
-        "trainer.logger": "[jsonl]",
-        "trainer.progress_bar": False,
-        "trainer.plot_curves": False,
-        "trainer.default_local_dir": str(tmp / "ckpt"),
-        "trainer.resume_mode": "disable",
-        "trainer.val_before_train": False,
-        "trainer.total_training_steps": 2,
-        "trainer.experiment_name": f"tp{actor_tp}_{rollout_tp}",
-    }
-    config = load_config([f"{k}={v}" for k, v in values.items()])
+    values = tiny_run_values(
+        model_dir,
+        data,
+        tmp / "ckpt",
+        **{
+            "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+            "actor_rollout_ref.actor.reuse_update_log_probs": False,
+            "actor_rollout_ref.actor.optim.lr": 1e-3,
+            "actor_rollout_ref.actor.use_kl_loss": True,
+            "actor_rollout_ref.actor.tensor_model_parallel_size": actor_tp,
+            "actor_rollout_ref.rollout.tensor_model_parallel_size": rollout_tp,
+            "custom_reward_function.path": str(scorer),
+            "trainer.resume_mode": "disable",
+            "trainer.total_training_steps": 2,
+            "trainer.experiment_name": f"tp{actor_tp}_{rollout_tp}",
+        },
+    )
+    config = load_config(as_overrides(values))
     OmegaConf.resolve(config)
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(tmp)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridflow.models.attention import grouped_attention
 from hybridflow.workers.lora import hf_parameter_names, merged_hf_weights, unwrap_peft
 from hybridflow.workers.rollout.engine.parallel import (
     SINGLE,
@@ -180,16 +181,10 @@ def decode_attention(
 
     On CUDA this is SDPA. On the CPU SDPA's flash kernel is slow for a single query (measured for
     B = 32, 4/2 heads of 64, L = 146, one thread: fp32 460 us against 376 us here; bf16 2257 us
-    against 547 us), so it is two batched matmuls with the softmax in fp32, as HF's eager attention."""
+    against 547 us), so it is :func:`~hybridflow.models.attention.grouped_attention`."""
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None, None, :], enable_gqa=True)
-    batch, num_heads, _, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    grouped = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * head_dim**-0.5  # (B, nkv, g, L)
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).reshape(batch, num_heads, 1, head_dim)
+    return grouped_attention(q, k, v, visible[:, None, None, :], q.shape[-1] ** -0.5)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
