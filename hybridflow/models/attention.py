@@ -11,17 +11,62 @@ while those are small.
 matmul form (HF's ``eager`` attention, with the softmax in fp32) on the CPU when the weights take at
 most :data:`EAGER_MAX_BYTES`, and transformers' own SDPA otherwise (and on any other device). Masks
 are prepared as for SDPA (boolean, or None for plain causal attention); a 4-D boolean mask passed by
-the caller (:mod:`hybridflow.workers.shared_prefix`) is used as is. The worker loads models with it
-on the CPU unless ``model.override_config.attn_implementation`` names another.
+the caller (:mod:`hybridflow.workers.shared_prefix`) is used as is. A 4-D mask that carries a
+:class:`PackedRows` (``mask.packed_rows``, :mod:`hybridflow.workers.packed_rows`) means the sequence
+is packed tokens: the attention is gathered per padded row (:func:`packed_attention`). The worker
+loads models with it on the CPU unless ``model.override_config.attn_implementation`` names another.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 CPU_ATTENTION = "hybridflow_cpu"
 # the fp32 attention weights of one layer call, kept for the backward
 EAGER_MAX_BYTES = 32 * 2**20
+
+
+@dataclass
+class PackedRows:
+    """Where each padded row's queries and keys are among the ``N`` packed tokens of a padding-free
+    forward (``b`` rows, ``Q`` query slots, ``K`` key slots per row)."""
+
+    query_index: torch.Tensor  # (b, Q) packed token of query slot i of row r (0 in unused slots)
+    key_index: torch.Tensor  # (b, K) packed token of key slot j of row r (0 in unused slots)
+    token_slot: torch.Tensor  # (N,) flat query slot (r * Q + i) that computes each packed token
+
+
+def packed_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    packed: PackedRows,
+    attend,
+) -> torch.Tensor:
+    """query (1, nh, N, hd), key and value (1, nkv, N, hd) of the packed tokens, mask (b, 1, Q, K)
+    bool → (1, N, nh, hd). ``attend(q, k, v, mask)`` is the attention of the gathered rows:
+    (b, nh, Q, hd), (b, nkv, K, hd) twice and the mask → (b, nh, Q, hd). Every packed token is the
+    query of exactly one slot, so the output is gathered back without sums."""
+    rows, max_queries = packed.query_index.shape
+    max_keys = packed.key_index.shape[1]
+    num_heads, head_dim = query.shape[1], query.shape[3]
+
+    def per_row(tokens: torch.Tensor, index: torch.Tensor, slots: int) -> torch.Tensor:
+        heads = tokens.shape[1]
+        picked = tokens[0].transpose(0, 1).index_select(0, index.reshape(-1))  # (b * slots, heads, hd)
+        return picked.view(rows, slots, heads, head_dim).transpose(1, 2)
+
+    out = attend(
+        per_row(query, packed.query_index, max_queries),
+        per_row(key, packed.key_index, max_keys),
+        per_row(value, packed.key_index, max_keys),
+        mask,
+    )
+    out = out.transpose(1, 2).reshape(rows * max_queries, num_heads, head_dim)
+    return out.index_select(0, packed.token_slot).unsqueeze(0)
 
 
 def grouped_attention(
@@ -65,6 +110,10 @@ def cpu_attention_forward(
     """query (B, nh, Tq, hd), key and value (B, nkv, Tk, hd), attention_mask (B | 1, 1, Tq, Tk) bool
     (True: attend) or additive float, or None (causal) → output (B, Tq, nh, hd), as HF's attention
     functions return it."""
+    scale = scaling if scaling is not None else query.shape[3] ** -0.5
+    packed = getattr(attention_mask, "packed_rows", None)
+    if packed is not None:
+        return _packed_forward(module, query, key, value, attention_mask, packed, dropout, scale), None
     batch, num_heads, q_len, head_dim = query.shape
     kv_len = key.shape[2]
     too_big = batch * num_heads * q_len * kv_len * 4 > EAGER_MAX_BYTES
@@ -76,9 +125,27 @@ def cpu_attention_forward(
     if attention_mask is None and causal and q_len > 1:
         attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
         attention_mask = attention_mask[None, None]
-    scale = scaling if scaling is not None else head_dim**-0.5
     out = grouped_attention(query, key, value, attention_mask, scale)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _packed_forward(module, query, key, value, mask, packed: PackedRows, dropout: float, scale: float):
+    """(1, N, nh, hd) attention output of the packed tokens: the matmul form, or SDPA (on other
+    devices, for large weights, or with dropout in training)."""
+    rows, max_queries = packed.query_index.shape
+    weight_bytes = rows * query.shape[1] * max_queries * packed.key_index.shape[1] * 4
+    dropout = dropout if module.training else 0.0
+    if query.device.type == "cpu" and weight_bytes <= EAGER_MAX_BYTES and dropout == 0:
+        return packed_attention(
+            query, key, value, mask, packed, lambda q, k, v, m: grouped_attention(q, k, v, m, scale)
+        )
+
+    def sdpa(q, k, v, m):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=m, dropout_p=dropout, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+
+    return packed_attention(query, key, value, mask, packed, sdpa)
 
 
 def _sdpa_forward():

@@ -12,6 +12,11 @@ and ``position_ids`` travel with their columns. verl reaches the same end with `
 (packed sequences and flash-attention varlen); trimming needs no special kernel, so it is always on.
 Causal LMs that take ``logits_to_keep`` (Hugging Face Llama, Qwen2, ...) also skip the vocabulary
 projection of the prompt positions.
+
+With the CPU attention (:mod:`hybridflow.models.attention`) the micro-batch goes further: packed into
+one row of its real tokens, each shared prompt once (:mod:`hybridflow.workers.packed_rows`). Other
+attention implementations pack shared prompts with a dense block mask when that saves FLOPs
+(:mod:`hybridflow.workers.shared_prefix`). Every layout gives the padded layout's outputs.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ import torch
 from torch import nn
 
 from hybridflow import keys
+from hybridflow.models.attention import CPU_ATTENTION
 from hybridflow.protocol import DataProto
 from hybridflow.workers.lora import unwrap_peft
+from hybridflow.workers.packed_rows import PackedInputs, gather_packed_outputs, plan_packed_rows
 from hybridflow.workers.shared_prefix import PackedBatch, gather_response_outputs, plan_packing
 
 
@@ -54,7 +61,12 @@ def response_outputs(model: nn.Module, micro: DataProto) -> torch.Tensor:
     when that costs fewer FLOPs (:mod:`hybridflow.workers.shared_prefix`); the outputs are the same."""
     prompt_len = micro.batch[keys.INPUT_IDS].shape[1] - micro.batch[keys.RESPONSES].shape[1]
     first, end = attended_span(micro.batch[keys.ATTENTION_MASK], prompt_len)
-    packed = plan_packing(micro, unwrap_peft(model).config, end - first)
+    config = unwrap_peft(model).config
+    if getattr(config, "_attn_implementation", None) == CPU_ATTENTION:
+        packed_rows = plan_packed_rows(micro, end - first)
+        if packed_rows is not None:
+            return _packed_rows_outputs(model, packed_rows)
+    packed = plan_packing(micro, config, end - first)
     if packed is not None:
         return _packed_outputs(model, packed)
     kept_response_len = end - prompt_len
@@ -69,6 +81,20 @@ def response_outputs(model: nn.Module, micro: DataProto) -> torch.Tensor:
         **extra,
     )
     return output.logits[:, -kept_response_len - 1 : -1, :].float()
+
+
+def _packed_rows_outputs(model: nn.Module, packed: PackedInputs) -> torch.Tensor:
+    """``(b, T_k, C)`` outputs of the padding-free forward, gathered back to the rows."""
+    takes_logits_to_keep = _takes_logits_to_keep(type(unwrap_peft(model)))
+    extra = {"logits_to_keep": packed.kept_positions} if takes_logits_to_keep else {}
+    output = model(
+        input_ids=packed.input_ids,
+        attention_mask=packed.attention_mask,
+        position_ids=packed.position_ids,
+        use_cache=False,
+        **extra,
+    )
+    return gather_packed_outputs(output.logits, packed, at_kept=takes_logits_to_keep).float()
 
 
 def _packed_outputs(model: nn.Module, packed: PackedBatch) -> torch.Tensor:

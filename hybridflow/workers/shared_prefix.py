@@ -44,14 +44,14 @@ class PackedBatch:
 
 
 @dataclass
-class _Row:
+class Row:
     prompt: tuple[int, ...]
     prompt_pos: list[int]
     response: list[int]
     response_pos: list[int]
 
 
-def _rows(micro: DataProto) -> list[_Row]:
+def split_rows(micro: DataProto) -> list[Row]:
     input_ids = micro.batch[keys.INPUT_IDS].tolist()
     mask = micro.batch[keys.ATTENTION_MASK].tolist()
     positions = micro.batch[keys.POSITION_IDS].tolist()
@@ -63,7 +63,7 @@ def _rows(micro: DataProto) -> list[_Row]:
         # responses are right-padded: every column up to the last attended one belongs to the row
         length = response_cols[-1] - prompt_len + 1 if response_cols else 0
         rows.append(
-            _Row(
+            Row(
                 tuple(ids[c] for c in prompt_cols),
                 [pos[c] for c in prompt_cols],
                 ids[prompt_len : prompt_len + length],
@@ -73,7 +73,7 @@ def _rows(micro: DataProto) -> list[_Row]:
     return rows
 
 
-def _groups(rows: list[_Row]) -> list[list[int]]:
+def prompt_groups(rows: list[Row]) -> list[list[int]]:
     """Row indices sharing a (non-empty) prompt, in first-seen order."""
     by_prompt: dict[tuple[int, ...], list[int]] = {}
     for i, row in enumerate(rows):
@@ -97,8 +97,8 @@ def _flops(model_config, tokens: int, attended_pairs: float) -> float:
 def plan_packing(micro: DataProto, model_config, padded_width: int) -> PackedBatch | None:
     """The packed layout of ``micro`` when it costs at least :data:`MIN_SAVING` fewer FLOPs than the
     padded rows of ``padded_width`` columns (causal attention: half the pairs), else None."""
-    rows = _rows(micro)
-    groups = _groups(rows)
+    rows = split_rows(micro)
+    groups = prompt_groups(rows)
     if len(groups) == len(rows):  # no prompt is shared: nothing to gain
         return None
     lengths = [len(rows[g[0]].prompt) + sum(len(rows[i].response) for i in g) for g in groups]
@@ -112,7 +112,7 @@ def plan_packing(micro: DataProto, model_config, padded_width: int) -> PackedBat
     return _build(rows, groups, width, micro.batch[keys.INPUT_IDS].device)
 
 
-def _build(rows: list[_Row], groups: list[list[int]], width: int, device: torch.device) -> PackedBatch:
+def _build(rows: list[Row], groups: list[list[int]], width: int, device: torch.device) -> PackedBatch:
     n_rows, n_groups = len(rows), len(groups)
     longest = max(1, max(len(r.response) for r in rows))
     ids = torch.zeros(n_groups, width, dtype=torch.long)

@@ -1,0 +1,155 @@
+"""The padding-free packed forward (hybridflow/workers/packed_rows.py) gives the padded layout's
+log-probs, entropies, values and gradients (float64, GQA model), and is chosen only where it saves."""
+
+import pytest
+import torch
+import transformers
+
+from hybridflow import keys
+from hybridflow.models import attention
+from hybridflow.models.attention import register_cpu_attention
+from hybridflow.protocol import DataProto
+from hybridflow.workers import packed_rows, shared_prefix
+from hybridflow.workers.actor.dp_actor import response_log_probs
+from hybridflow.workers.critic.dp_critic import forward_values
+
+PAD, PROMPT_LEN, RESPONSE_LEN, VOCAB = 0, 7, 6, 97
+# GRPO groups (n = 3, an empty response included), then two rows whose prompts nobody shares
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [15], [16, 17, 18, 19, 20, 21, 22]]
+RESPONSE_LENGTHS = [[5, 1, 0], [3, 6, 2], [4], [6]]
+
+
+def _batch() -> DataProto:
+    gen = torch.Generator().manual_seed(0)
+    ids, mask = [], []
+    for prompt, lengths in zip(PROMPTS, RESPONSE_LENGTHS, strict=True):
+        for n in lengths:
+            response = torch.randint(23, VOCAB, (n,), generator=gen).tolist()
+            left, right = PROMPT_LEN - len(prompt), RESPONSE_LEN - n
+            ids.append([PAD] * left + prompt + response + [PAD] * right)
+            mask.append([0] * left + [1] * (len(prompt) + n) + [0] * right)
+    input_ids, attention_mask = torch.tensor(ids), torch.tensor(mask)
+    return DataProto.from_dict(
+        {
+            keys.INPUT_IDS: input_ids,
+            keys.ATTENTION_MASK: attention_mask,
+            keys.POSITION_IDS: (attention_mask.cumsum(-1) - 1).clamp(min=0),
+            keys.RESPONSES: input_ids[:, PROMPT_LEN:],
+            keys.RESPONSE_MASK: attention_mask[:, PROMPT_LEN:],
+        }
+    )
+
+
+def _config(impl: str) -> transformers.Qwen2Config:
+    config = transformers.Qwen2Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+    )
+    config._attn_implementation = impl
+    return config
+
+
+@pytest.fixture
+def layout(monkeypatch):
+    """``layout("packed")``: always the padding-free rows; ``layout("padded")``: the trimmed padded
+    rows (no packing of any kind)."""
+
+    def set_layout(name: str) -> None:
+        monkeypatch.setattr(packed_rows, "MAX_TOKEN_FRACTION", 1e9 if name == "packed" else -1.0)
+        monkeypatch.setattr(shared_prefix, "MIN_SAVING", 1e9)
+
+    return set_layout
+
+
+def _log_probs_and_grads(model, data: DataProto):
+    model.zero_grad()
+    log_probs, entropy = response_log_probs(model, data, temperature=0.7, with_entropy=True)
+    mask = data.batch[keys.RESPONSE_MASK].double()
+    weights = torch.linspace(0.5, 1.5, mask.shape[1], dtype=torch.float64)  # every position matters
+    ((log_probs.double() * mask * weights).sum() + (entropy.double() * mask).sum()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return log_probs * mask, entropy * mask, grads
+
+
+def test_packed_rows_equal_the_padded_rows_with_gradients(layout, monkeypatch):
+    calls = []
+    real = attention.packed_attention
+    monkeypatch.setattr(attention, "packed_attention", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(_config(register_cpu_attention())).double()
+    data = _batch()
+    layout("padded")
+    padded = _log_probs_and_grads(model, data)
+    layout("packed")
+    assert packed_rows.plan_packed_rows(data, PROMPT_LEN + RESPONSE_LEN) is not None
+    assert not calls
+    packed = _log_probs_and_grads(model, data)
+    assert len(calls) == 2  # the packed forward ran, one call per layer
+    torch.testing.assert_close(packed[0], padded[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(packed[1], padded[1], rtol=0, atol=1e-6)
+    assert set(packed[2]) == set(padded[2])
+    for name, grad in padded[2].items():
+        # outputs are cast to fp32 (as in training): agreement to fp32 rounding of the logits
+        torch.testing.assert_close(packed[2][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert packed[0][2].abs().sum() == 0  # the empty response gets nothing
+    assert packed[0].abs().sum() > 0 and packed[2]["model.embed_tokens.weight"].abs().sum() > 0
+
+
+def test_packed_rows_equal_sdpa_on_the_padded_rows(layout):
+    """The reference is transformers' own SDPA on the untrimmed padded batch, not our attention."""
+    torch.manual_seed(0)
+    sdpa = transformers.Qwen2ForCausalLM(_config("sdpa")).double()
+    torch.manual_seed(0)
+    ours = transformers.Qwen2ForCausalLM(_config(register_cpu_attention())).double()
+    data = _batch()
+    layout("padded")
+    expected = _log_probs_and_grads(sdpa, data)
+    layout("packed")
+    packed = _log_probs_and_grads(ours, data)
+    torch.testing.assert_close(packed[0], expected[0], rtol=0, atol=1e-6)
+    for name, grad in expected[2].items():
+        torch.testing.assert_close(packed[2][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_packed_critic_values_equal_the_padded_ones(layout):
+    torch.manual_seed(0)
+    config = _config(register_cpu_attention())
+    config.num_labels = 1
+    critic = transformers.Qwen2ForTokenClassification(config).double().eval()  # no classifier dropout
+    layout("padded")
+    padded = forward_values(critic, _batch())
+    layout("packed")
+    packed = forward_values(critic, _batch())
+    torch.testing.assert_close(packed, padded, rtol=0, atol=1e-6)
+
+
+def test_each_token_is_computed_once_and_queried_by_one_row():
+    data = _batch()
+    plan = packed_rows.plan_packed_rows(data, PROMPT_LEN + RESPONSE_LEN)
+    assert plan is not None
+    # 4 + 6 + 1 + 7 prompt tokens once, plus every response token
+    expected_tokens = sum(map(len, PROMPTS)) + sum(map(sum, RESPONSE_LENGTHS))
+    assert plan.input_ids.shape == (1, expected_tokens)
+    rows = plan.attention_mask.packed_rows
+    slots = rows.query_index.reshape(-1)[rows.token_slot]
+    assert torch.equal(slots, torch.arange(expected_tokens))  # each token is its own slot's query
+    # a response token of a group's second row sees its prompt and its own earlier tokens only
+    mask = plan.attention_mask[4, 0]  # row 4: the second row of prompt 2 (6 response tokens)
+    assert mask[0, :6].all() and not mask[0, 7:].any()  # first response token: 6 prompt keys + itself
+    assert mask[5, :12].all()
+
+
+def test_the_layout_is_chosen_by_its_token_count():
+    data = _batch()
+    assert packed_rows.plan_packed_rows(data, PROMPT_LEN + RESPONSE_LEN) is not None
+    full = _batch().select_idxs(torch.tensor([6, 7]))  # distinct prompts: only padding to save
+    full.batch[keys.ATTENTION_MASK][:] = 1
+    assert packed_rows.plan_packed_rows(full, PROMPT_LEN + RESPONSE_LEN) is None  # nothing to save
+    gap = _batch()
+    gap.batch[keys.ATTENTION_MASK][0, PROMPT_LEN + 1] = 0  # an unattended column inside a response
+    assert packed_rows.plan_packed_rows(gap, PROMPT_LEN + RESPONSE_LEN) is None
