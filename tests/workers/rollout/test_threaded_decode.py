@@ -49,6 +49,35 @@ def test_threaded_greedy_equals_one_engine(tiny_model_dir):
     assert torch.get_num_threads() == threads_before  # the one-thread setting is undone
 
 
+def test_each_decode_thread_runs_its_kernels_on_one_openmp_thread(tiny_model_dir, monkeypatch):
+    """OpenMP's thread count is per thread: a new thread starts at OMP_NUM_THREADS (the worker's
+    threads), which oneDNN's bf16 kernels follow, so unset it ran 2 decode threads x 2 OpenMP threads
+    on 2 cores. Each decode thread must set its own."""
+    import ctypes
+    import os
+
+    libgomp = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1"))
+    seen = []
+    real_step = LLMEngine.step
+
+    def step(self):
+        seen.append(libgomp.omp_get_max_threads())
+        return real_step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", step)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    engine_model = EngineModel.from_hf_module(model, 32, dtype=torch.float32)
+    engines = [LLMEngine(engine_model, max_num_seqs=4, max_model_len=32, eos_token_ids=[]) for _ in range(2)]
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)  # the worker's setting; new threads start from OMP_NUM_THREADS
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    try:
+        generate_threaded(engines, [([5, 6], 2), ([7, 8], 2)], SamplingParams(max_new_tokens=3), seed=0)
+    finally:
+        torch.set_num_threads(saved)
+    assert seen and set(seen) == {1}
+
+
 def test_decode_threads_is_validated(tiny_model_dir, arithmetic_data):
     train, test = arithmetic_data
     base = [

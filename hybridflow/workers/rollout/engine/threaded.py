@@ -47,6 +47,9 @@ def generate_threaded(
 
     def run(index: int) -> None:
         try:
+            # OpenMP's thread count is per thread: a new one starts at OMP_NUM_THREADS, and oneDNN's
+            # (bf16) kernels follow it, so without this k threads would run k x that many on the cores
+            torch.set_num_threads(1)
             engine = engines[index]
             engine.reseed(seed + index)
             requests = [engine.add_request(prompt, params, n) for prompt, n in shards[index]]
