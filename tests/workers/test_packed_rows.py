@@ -116,6 +116,21 @@ def test_packed_rows_equal_sdpa_on_the_padded_rows(layout):
         torch.testing.assert_close(packed[2][name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_packed_rows_through_sdpa_equal_the_padded_rows(layout, monkeypatch):
+    """Above the weights bound the gathered rows go through SDPA (GQA, boolean mask): same outputs."""
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(_config(register_cpu_attention())).double()
+    data = _batch()
+    layout("padded")
+    padded = _log_probs_and_grads(model, data)
+    layout("packed")
+    monkeypatch.setattr(attention, "EAGER_MAX_BYTES", 0)
+    packed = _log_probs_and_grads(model, data)
+    torch.testing.assert_close(packed[0], padded[0], rtol=0, atol=1e-6)
+    for name, grad in padded[2].items():
+        torch.testing.assert_close(packed[2][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_packed_critic_values_equal_the_padded_ones(layout):
     torch.manual_seed(0)
     config = _config(register_cpu_attention())
