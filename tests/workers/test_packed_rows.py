@@ -40,16 +40,19 @@ def _batch() -> DataProto:
     )
 
 
-def _config(impl: str) -> transformers.Qwen2Config:
-    config = transformers.Qwen2Config(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=96,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-    )
+SIZES = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    vocab_size=VOCAB,
+    max_position_embeddings=64,
+)
+
+
+def _config(impl: str, config_class=transformers.Qwen2Config):
+    config = config_class(**SIZES)
     config._attn_implementation = impl
     return config
 
@@ -76,12 +79,22 @@ def _log_probs_and_grads(model, data: DataProto):
     return log_probs * mask, entropy * mask, grads
 
 
-def test_packed_rows_equal_the_padded_rows_with_gradients(layout, monkeypatch):
+FAMILIES = {
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_packed_rows_equal_the_padded_rows_with_gradients(layout, monkeypatch, family):
     calls = []
     real = attention.packed_attention
     monkeypatch.setattr(attention, "packed_attention", lambda *a: calls.append(1) or real(*a))
+    config_class, model_class = FAMILIES[family]
+    config = _config(register_cpu_attention(), config_class)
     torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(_config(register_cpu_attention())).double()
+    model = model_class(config).double()
     data = _batch()
     layout("padded")
     padded = _log_probs_and_grads(model, data)
