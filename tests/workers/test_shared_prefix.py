@@ -10,31 +10,15 @@ from hybridflow.protocol import DataProto
 from hybridflow.workers import shared_prefix
 from hybridflow.workers.actor.dp_actor import response_log_probs
 from hybridflow.workers.critic.dp_critic import forward_values
+from tests.workers.grouped_batches import grouped_batch
 
-PAD, PROMPT_LEN, RESPONSE_LEN = 0, 7, 6
+PROMPT_LEN, RESPONSE_LEN = 7, 6
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [15, 16, 17, 18, 19]]
 RESPONSE_LENGTHS = [[5, 1, 0], [3, 3, 2], [6, 4, 1]]  # n = 3 per prompt, an empty one included
 
 
 def _batch() -> DataProto:
-    gen = torch.Generator().manual_seed(0)
-    ids, mask = [], []
-    for prompt, lengths in zip(PROMPTS, RESPONSE_LENGTHS, strict=True):
-        for n in lengths:
-            response = torch.randint(20, 200, (n,), generator=gen).tolist()
-            left, right = PROMPT_LEN - len(prompt), RESPONSE_LEN - n
-            ids.append([PAD] * left + prompt + response + [PAD] * right)
-            mask.append([0] * left + [1] * (len(prompt) + n) + [0] * right)
-    input_ids, attention_mask = torch.tensor(ids), torch.tensor(mask)
-    return DataProto.from_dict(
-        {
-            keys.INPUT_IDS: input_ids,
-            keys.ATTENTION_MASK: attention_mask,
-            keys.POSITION_IDS: (attention_mask.cumsum(-1) - 1).clamp(min=0),
-            keys.RESPONSES: input_ids[:, PROMPT_LEN:],
-            keys.RESPONSE_MASK: attention_mask[:, PROMPT_LEN:],
-        }
-    )
+    return grouped_batch(PROMPTS, RESPONSE_LENGTHS, PROMPT_LEN, RESPONSE_LEN, (20, 200))
 
 
 @pytest.fixture
