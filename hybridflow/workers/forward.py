@@ -31,7 +31,7 @@ from hybridflow import keys
 from hybridflow.models.attention import CPU_ATTENTION
 from hybridflow.protocol import DataProto
 from hybridflow.workers.lora import unwrap_peft
-from hybridflow.workers.packed_rows import PackedInputs, gather_packed_outputs, plan_packed_rows
+from hybridflow.workers.packed_rows import gather_packed_outputs, plan_packed_rows
 from hybridflow.workers.shared_prefix import PackedBatch, gather_response_outputs, plan_packing
 
 
@@ -58,63 +58,62 @@ def response_outputs(model: nn.Module, micro: DataProto) -> torch.Tensor:
     causal LM, 1 for a value head). Response column t of the batch is column t of the output.
 
     Rows that share a prompt (GRPO's ``n`` responses) are computed packed, the prompt once per group,
-    when that costs fewer FLOPs (:mod:`hybridflow.workers.shared_prefix`); the outputs are the same."""
+    when that costs fewer FLOPs; the outputs are the same. With the CPU attention the packed rows of
+    :mod:`hybridflow.workers.packed_rows` (no padding at all); otherwise the block mask of
+    :mod:`hybridflow.workers.shared_prefix`. When packed rows would not save 5% of the positions, the
+    block mask (which computes at least as many) would not either, so it is not planned."""
     prompt_len = micro.batch[keys.INPUT_IDS].shape[1] - micro.batch[keys.RESPONSES].shape[1]
     first, end = attended_span(micro.batch[keys.ATTENTION_MASK], prompt_len)
     config = unwrap_peft(model).config
     if getattr(config, "_attn_implementation", None) == CPU_ATTENTION:
-        packed_rows = plan_packed_rows(micro, end - first)
-        if packed_rows is not None:
-            return _packed_rows_outputs(model, packed_rows)
-    packed = plan_packing(micro, config, end - first)
-    if packed is not None:
-        return _packed_outputs(model, packed)
+        rows = plan_packed_rows(micro, end - first)
+        if rows is not None:
+            logits = _logits(
+                model, rows.input_ids, rows.attention_mask, rows.position_ids, rows.kept_positions
+            )
+            return gather_packed_outputs(logits, rows, at_kept=_takes_logits_to_keep_of(model)).float()
+    else:
+        packed = plan_packing(micro, config, end - first)
+        if packed is not None:
+            return _packed_outputs(model, packed)
     kept_response_len = end - prompt_len
-    extra = {}
-    if _takes_logits_to_keep(type(unwrap_peft(model))):
-        extra["logits_to_keep"] = kept_response_len + 1
+    logits = _logits(
+        model,
+        micro.batch[keys.INPUT_IDS][:, first:end],
+        micro.batch[keys.ATTENTION_MASK][:, first:end],
+        micro.batch[keys.POSITION_IDS][:, first:end],
+        kept_response_len + 1,
+    )
+    return logits[:, -kept_response_len - 1 : -1, :].float()
+
+
+def _takes_logits_to_keep_of(model: nn.Module) -> bool:
+    return _takes_logits_to_keep(type(unwrap_peft(model)))
+
+
+def _logits(model: nn.Module, input_ids, attention_mask, position_ids, logits_to_keep) -> torch.Tensor:
+    """The model's output logits; only at ``logits_to_keep`` (the last k positions, or the given
+    positions) where the model takes that argument, else at every position."""
+    extra = {"logits_to_keep": logits_to_keep} if _takes_logits_to_keep_of(model) else {}
     output = model(
-        input_ids=micro.batch[keys.INPUT_IDS][:, first:end],
-        attention_mask=micro.batch[keys.ATTENTION_MASK][:, first:end],
-        position_ids=micro.batch[keys.POSITION_IDS][:, first:end],
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
         use_cache=False,
         **extra,
     )
-    return output.logits[:, -kept_response_len - 1 : -1, :].float()
-
-
-def _packed_rows_outputs(model: nn.Module, packed: PackedInputs) -> torch.Tensor:
-    """``(b, T_k, C)`` outputs of the padding-free forward, gathered back to the rows."""
-    takes_logits_to_keep = _takes_logits_to_keep(type(unwrap_peft(model)))
-    extra = {"logits_to_keep": packed.kept_positions} if takes_logits_to_keep else {}
-    output = model(
-        input_ids=packed.input_ids,
-        attention_mask=packed.attention_mask,
-        position_ids=packed.position_ids,
-        use_cache=False,
-        **extra,
-    )
-    return gather_packed_outputs(output.logits, packed, at_kept=takes_logits_to_keep).float()
+    return output.logits
 
 
 def _packed_outputs(model: nn.Module, packed: PackedBatch) -> torch.Tensor:
-    """``(b, T_k, C)`` outputs of the packed forward, gathered back to the rows."""
+    """``(b, T_k, C)`` outputs of the block-mask packed forward, gathered back to the rows."""
     width = packed.input_ids.shape[1]
     # Outputs are needed from the earliest prompt end on (the positions before predict nothing).
     first_kept = int(packed.index[packed.valid].min()) if bool(packed.valid.any()) else width - 1
-    extra = {}
-    if _takes_logits_to_keep(type(unwrap_peft(model))):
-        extra["logits_to_keep"] = width - first_kept
-    else:
+    if not _takes_logits_to_keep_of(model):
         first_kept = 0
-    output = model(
-        input_ids=packed.input_ids,
-        attention_mask=packed.attention_mask,
-        position_ids=packed.position_ids,
-        use_cache=False,
-        **extra,
-    )
-    return gather_response_outputs(output.logits, packed, first_kept).float()
+    logits = _logits(model, packed.input_ids, packed.attention_mask, packed.position_ids, width - first_kept)
+    return gather_response_outputs(logits, packed, first_kept).float()
 
 
 def pad_responses(values: torch.Tensor, response_len: int) -> torch.Tensor:

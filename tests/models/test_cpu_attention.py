@@ -6,23 +6,14 @@ import transformers
 
 from hybridflow.models import attention
 from hybridflow.models.attention import register_cpu_attention
+from tests.tiny_configs import tiny_decoder_config
 
 
 def _models(dtype):
-    config = transformers.Qwen2Config(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=96,
-        vocab_size=97,
-        max_position_embeddings=128,
-    )
     out = []
     for impl in ("sdpa", register_cpu_attention()):
         torch.manual_seed(0)
-        config._attn_implementation = impl
-        out.append(transformers.Qwen2ForCausalLM(config).to(dtype))
+        out.append(transformers.Qwen2ForCausalLM(tiny_decoder_config("qwen2", impl)).to(dtype))
     return out
 
 

@@ -172,14 +172,16 @@ def _shared_prompt_batch():
 
 def _packed(model_dir: str, world: int, out_dir: str) -> None:
     """Log-probs of a t = 2 model over rows that share prompts, computed packed."""
+    from hybridflow.models.attention import CPU_ATTENTION
     from hybridflow.workers.actor.dp_actor import response_log_probs
-    from hybridflow.workers.shared_prefix import plan_packing
+    from hybridflow.workers.packed_rows import plan_packed_rows
 
     module = build_fsdp_module(
         OmegaConf.create({"path": model_dir}), OmegaConf.create({}), build_device_mesh(world, "cpu", 2)
     )
     data = _shared_prompt_batch()
-    assert plan_packing(data, module.config, 27) is not None  # the forward below does pack
+    assert module.config._attn_implementation == CPU_ATTENTION
+    assert plan_packed_rows(data, 27) is not None  # the forward below does pack
     with torch.no_grad():
         log_probs, _ = response_log_probs(module, data, 1.0)
     if torch.distributed.get_rank() == 0:

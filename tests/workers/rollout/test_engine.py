@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hybridflow.workers.rollout.engine import EngineModel, LLMEngine, SamplingParams
+from tests.tiny_configs import tiny_decoder_config
 
 EOS = 2
 GREEDY = SamplingParams(max_new_tokens=12, do_sample=False)
@@ -14,19 +15,7 @@ GREEDY = SamplingParams(max_new_tokens=12, do_sample=False)
 def _random_model(arch: str, **overrides):
     import transformers
 
-    kwargs = dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=96,
-        vocab_size=97,
-        max_position_embeddings=128,
-        tie_word_embeddings=arch != "llama",
-    )
-    kwargs.update(overrides)
-    config_cls = {"qwen2": "Qwen2Config", "llama": "LlamaConfig", "qwen3": "Qwen3Config"}[arch]
-    config = getattr(transformers, config_cls)(**kwargs)
+    config = tiny_decoder_config(arch, **{"tie_word_embeddings": arch != "llama", **overrides})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # larger weights than the default init: peaked, diverse distributions
