@@ -215,11 +215,17 @@ def build_optimizer(params, optim_cfg) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, foreach=True, **kwargs)
 
 
+def explicit_warmup_steps(optim_cfg) -> int:
+    """``lr_warmup_steps`` (-1 when unset or null: the ratio decides). 0 means no warmup, as in verl."""
+    value = optim_cfg.get("lr_warmup_steps", -1)
+    return -1 if value is None else int(value)
+
+
 def warmup_steps(optim_cfg, total_steps: int) -> int:
-    explicit = int(optim_cfg.get("lr_warmup_steps", -1) or -1)
+    explicit = explicit_warmup_steps(optim_cfg)
     if explicit >= 0:
         return explicit
-    return int(float(optim_cfg.get("lr_warmup_steps_ratio", 0.0)) * total_steps)
+    return int(float(optim_cfg.get("lr_warmup_steps_ratio", 0.0) or 0.0) * total_steps)
 
 
 def lr_lambda(kind: str, warmup: int, total: int, min_lr_ratio: float, num_cycles: float):
@@ -250,7 +256,7 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim_cfg) -> torch.opt
     total = int(optim_cfg.get("total_training_steps", -1) or -1)
     kind = optim_cfg.get("lr_scheduler_type") or optim_cfg.get("warmup_style", "constant")
     needs_total = kind == "cosine" or (
-        int(optim_cfg.get("lr_warmup_steps", -1) or -1) < 0
+        explicit_warmup_steps(optim_cfg) < 0
         and float(optim_cfg.get("lr_warmup_steps_ratio", 0.0) or 0.0) > 0
     )
     if total <= 0 and needs_total:

@@ -58,6 +58,16 @@ def _per_rank(total: int | None, world_size: int, what: str) -> int | None:
     return total // world_size
 
 
+def set_total_training_steps(optim_cfg: DictConfig, total_training_steps: int | None) -> None:
+    """Give an ``optim`` section the run's number of training steps (one scheduler step each), so a
+    cosine decays over the run and a warmup ratio means something. The trainer knows it only once its
+    data is loaded, while this worker is already starting, so it arrives with ``init_model`` rather
+    than with the config the worker was built with. None keeps the section's own value."""
+    if total_training_steps is not None:
+        with open_dict(optim_cfg):
+            optim_cfg.total_training_steps = int(total_training_steps)
+
+
 def _mean_metrics(metrics: dict[str, list]) -> dict[str, float]:
     return {k: float(sum(v) / len(v)) for k, v in metrics.items() if v}
 
@@ -211,10 +221,14 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
                     )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_model(self) -> None:
+    def init_model(self, total_training_steps: int | None = None) -> None:
+        """Load the role's models. ``total_training_steps``: the run's length, for the actor's lr
+        schedule (see :func:`set_total_training_steps`)."""
         from hybridflow.models.loading import get_generation_eos_ids, load_tokenizer
 
         cfg = self.config
+        if self._is_actor:
+            set_total_training_steps(cfg.actor.optim, total_training_steps)
         self.tokenizer = load_tokenizer(
             resolve_local_path(cfg.model.path),
             trust_remote_code=cfg.model.get("trust_remote_code", False),
@@ -366,10 +380,12 @@ class CriticWorker(FSDPWorkerBase):
         self.config = critic_batch_sizes_per_rank(config, dp, rollout_n)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_model(self) -> None:
+    def init_model(self, total_training_steps: int | None = None) -> None:
+        """Load the value model. ``total_training_steps``: see :func:`set_total_training_steps`."""
         from hybridflow.models.loading import load_tokenizer
 
         cfg = self.config
+        set_total_training_steps(cfg.optim, total_training_steps)
         self.tokenizer = load_tokenizer(
             resolve_local_path(cfg.model.tokenizer_path),
             trust_remote_code=cfg.model.get("trust_remote_code", False),

@@ -72,3 +72,10 @@ def test_ppo_trainer_gives_actor_and_critic_schedules_the_run_length(
     assert config.critic.optim.total_training_steps == 4
     # warmup W = int(0.5 * 4) = 2 steps from 0, then a cosine over the remaining 2: 0, 0.5, 1, 0.5
     assert lrs(actor_optim, 4) == pytest.approx([0.0, 0.5, 1.0, 0.5])
+
+
+def test_zero_warmup_steps_means_no_warmup_even_with_a_ratio():
+    # verl reads lr_warmup_steps=0 as "no warmup"; only a negative value hands over to the ratio
+    optim = {"lr": 1.0, "lr_warmup_steps": 0, "lr_warmup_steps_ratio": 0.5, "total_training_steps": 4}
+    assert lrs(optim, 2) == [1.0, 1.0]
+    assert lrs({**optim, "lr_warmup_steps": -1}, 2) == [0.0, 0.5]

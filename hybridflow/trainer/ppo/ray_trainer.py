@@ -103,7 +103,7 @@ class RayPPOTrainer:
         """Spawn the worker groups (one process per device of each pool) and load the models."""
         if self.wg is None:
             self.wg = build_worker_groups(self.config, self.use_critic, self.use_reference)
-        self.wg.init_models()
+        self.wg.init_models(total_training_steps=self.total_training_steps)
         for line in self.wg.describe():
             print(f"hybridflow: {line}", flush=True)
 

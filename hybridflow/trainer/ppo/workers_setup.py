@@ -60,12 +60,21 @@ class WorkerGroups:
         """Worker processes (devices) of all pools."""
         return sum(group.world_size for group in self.pools.values()) or self.actor_rollout.world_size
 
-    def init_models(self) -> None:
+    def init_models(self, total_training_steps: int | None = None) -> None:
         """Load every model. Critic, reward model and reference first, the actor last (verl's order:
-        the actor is the largest resident set); pools load at the same time."""
+        the actor is the largest resident set); pools load at the same time. ``total_training_steps``
+        reaches the actor's and critic's lr schedules: the workers started before the trainer knew it."""
         order = (self.critic, self.reward_model, self.ref, self.actor_rollout)
         groups = [g for g in dict.fromkeys(order) if g is not None]
-        wait_futures([group.init_model_async() for group in groups])
+        trained = {id(g) for g in (self.critic, self.actor_rollout) if g is not None}
+        wait_futures(
+            [
+                group.init_model_async(total_training_steps=total_training_steps)
+                if id(group) in trained
+                else group.init_model_async()
+                for group in groups
+            ]
+        )
 
     def roles_on_node(self, node_id: str) -> list[str]:
         """``roles rank(s) r (pool p)`` for every pool with a worker on ``node_id``."""
