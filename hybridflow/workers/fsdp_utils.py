@@ -256,8 +256,7 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim_cfg) -> torch.opt
     total = int(optim_cfg.get("total_training_steps", -1) or -1)
     kind = optim_cfg.get("lr_scheduler_type") or optim_cfg.get("warmup_style", "constant")
     needs_total = kind == "cosine" or (
-        explicit_warmup_steps(optim_cfg) < 0
-        and float(optim_cfg.get("lr_warmup_steps_ratio", 0.0) or 0.0) > 0
+        explicit_warmup_steps(optim_cfg) < 0 and float(optim_cfg.get("lr_warmup_steps_ratio", 0.0) or 0.0) > 0
     )
     if total <= 0 and needs_total:
         raise ValueError(

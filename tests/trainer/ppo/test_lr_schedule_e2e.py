@@ -106,7 +106,9 @@ def test_a_run_resumed_mid_schedule_continues_the_same_rates(
         assert _lrs(resumed, key, (3, 4)) == pytest.approx(_lrs(ppo_run["metrics"], key, (3, 4)), abs=1e-15)
 
 
-def test_cosine_without_warmup_over_the_epochs_of_a_grpo_run(ray_session, tiny_model_dir, arithmetic_data, tmp_path):
+def test_cosine_without_warmup_over_the_epochs_of_a_grpo_run(
+    ray_session, tiny_model_dir, arithmetic_data, tmp_path
+):
     # no total_training_steps: T = batches per epoch x epochs = (64 prompts // 16) x 1 = 4, W = 0, m = 0:
     # 1/2 (1 + cos(pi k / 4)) for k = 0..3
     metrics = _run(
