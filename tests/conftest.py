@@ -45,6 +45,24 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory):
+    """The tiny model with head size 32 (2 heads of a 64-wide model): vLLM-CPU's attention kernels take
+    head sizes from 32 up. Tied embeddings, as the models vLLM's in-place reload trips on."""
+    from hybridflow.models.tiny import build_tiny_model
+
+    return str(
+        build_tiny_model(
+            tmp_path_factory.mktemp("vllm_model") / "model",
+            hidden_size=64,
+            num_layers=2,
+            num_heads=2,
+            num_kv_heads=1,
+            intermediate_size=128,
+        )
+    )
+
+
+@pytest.fixture(scope="session")
 def tp_model_dir(tmp_path_factory):
     """A tiny Llama-architecture model with untied embeddings whose heads (8), key-value heads (4),
     MLP width (128) and vocabulary (512) all divide by 4: tensor-parallel tests split it 1, 2 and 4 ways."""
@@ -73,3 +91,11 @@ def arithmetic_data(tmp_path_factory):
         tmp_path_factory.mktemp("arithmetic"), ArithmeticTaskConfig(num_train=64, num_test=6)
     )
     return str(train), str(test)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say whether the vLLM tests ran or why they were skipped (never a silent skip)."""
+    import sys
+
+    if "tests.vllm_support" in sys.modules:
+        terminalreporter.write_line(sys.modules["tests.vllm_support"].vllm_status_line())

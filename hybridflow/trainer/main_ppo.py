@@ -39,9 +39,10 @@ def one_line_errors() -> tuple[type[BaseException], ...]:
     """Errors whose message names what failed, where, and what to do."""
     from hybridflow.trainer.ppo.workers_setup import NodeLostError
     from hybridflow.utils.checkpoint.preflight import CheckpointDirError, CheckpointSaveError
+    from hybridflow.utils.rollout_parity import RolloutLogProbGapError
     from hybridflow.workers.reward_manager import RewardScoreError
 
-    return CheckpointDirError, CheckpointSaveError, RewardScoreError, NodeLostError
+    return CheckpointDirError, CheckpointSaveError, RewardScoreError, NodeLostError, RolloutLogProbGapError
 
 
 def run_ppo(config: DictConfig, worker_groups=None) -> dict[str, float]:

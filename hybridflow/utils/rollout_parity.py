@@ -40,3 +40,48 @@ def rollout_parity_metrics(
     metrics["training/rollout_log_probs_diff_max"] = 0.0 if empty else log_diff.max().item()
     metrics["training/rollout_log_probs_diff_mean"] = 0.0 if empty else log_diff.mean().item()
     return metrics
+
+
+# The largest |rollout - recomputed| log-prob each rollout backend shows on the same fp32 weights
+# (docs/rollout_backends.md has the measurements): below it the rollout's log-probs count as the
+# trainer's own (``use_rollout_log_probs``).
+PARITY_TOLERANCE = {"engine": 1e-5, "vllm": 1e-3}
+# Beyond this gap the rollout sampled from other weights than the actor's (a weight sync gone wrong):
+# the run stops. Rounding in bf16 legitimately reaches ~0.1-0.3, so the limit there only catches garbage.
+GAP_LIMIT_FP32, GAP_LIMIT_LOW_PRECISION = 1e-2, 1.0
+
+
+class RolloutLogProbGapError(RuntimeError):
+    """The rollout's log-probs are far from the trainer's recompute for the same tokens."""
+
+
+def parity_tolerance(rollout_cfg) -> float:
+    """``rollout.log_prob_parity_tolerance``, or (null) the backend's measured gap."""
+    configured = rollout_cfg.get("log_prob_parity_tolerance")
+    if configured is not None:
+        return float(configured)
+    return PARITY_TOLERANCE.get(str(rollout_cfg.get("name", "engine")), PARITY_TOLERANCE["vllm"])
+
+
+def gap_limit(rollout_cfg, all_fp32: bool) -> float | None:
+    """``rollout.log_prob_gap_limit``, or (null) 1e-2 when rollout and actor both compute in fp32 and
+    1.0 otherwise; a negative value turns the check off (None)."""
+    configured = rollout_cfg.get("log_prob_gap_limit")
+    if configured is None:
+        return GAP_LIMIT_FP32 if all_fp32 else GAP_LIMIT_LOW_PRECISION
+    return None if float(configured) < 0 else float(configured)
+
+
+def check_log_prob_gap(metrics: dict, limit: float | None, step: int, backend: str) -> None:
+    """Raise :class:`RolloutLogProbGapError` when this step's ``training/rollout_log_probs_diff_max``
+    exceeds ``limit`` (nothing to check when the step made no parity measurement)."""
+    gap = metrics.get("training/rollout_log_probs_diff_max")
+    if limit is None or gap is None or gap <= limit:
+        return
+    raise RolloutLogProbGapError(
+        f"step {step}: the {backend} rollout's log-probs differ from the actor's recompute by up to "
+        f"{gap:.3g} (mean {metrics.get('training/rollout_log_probs_diff_mean', float('nan')):.3g}), beyond "
+        f"rollout.log_prob_gap_limit={limit:g}: the rollout sampled from other weights than the actor's "
+        "(a weight sync gone wrong). Training on it would be off-policy without correction; the run stops "
+        "before this step's update is saved"
+    )

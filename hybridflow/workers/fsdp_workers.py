@@ -265,8 +265,11 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         """The rollout over the actor's module; the engine gets its generation group (HybridFlow §5)."""
         cls = get_rollout_cls(self.config.rollout.name)
         kwargs = {"rank": self.rank, "tokenizer": self.tokenizer}
+        if getattr(cls, "reads_model_directory", False):  # vLLM builds its model from the HF directory
+            kwargs["model_path"] = resolve_local_path(self.config.model.path)
+            kwargs["trust_remote_code"] = bool(self.config.model.get("trust_remote_code", False))
         if not self.layout.trivial:
-            if self.config.rollout.name not in ("engine", "vllm", "sglang"):
+            if self.config.rollout.name != "engine":
                 raise ValueError(
                     f"rollout.name={self.config.rollout.name}: tensor parallelism (actor or rollout "
                     "tensor_model_parallel_size > 1) needs the embedded engine (rollout.name=engine)"

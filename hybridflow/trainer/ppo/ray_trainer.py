@@ -38,6 +38,7 @@ from hybridflow.trainer.ppo.concurrent_phases import Phase, run_phases
 from hybridflow.trainer.ppo.dynamic_sampling import GroupFilter
 from hybridflow.trainer.ppo.preemption import StopRequest, TrainingPreempted
 from hybridflow.trainer.ppo.workers_setup import WorkerGroups, build_worker_groups
+from hybridflow.utils.rollout_parity import check_log_prob_gap, gap_limit, parity_tolerance
 from hybridflow.utils.seqlen_balancing import get_seqlen_balanced_partitions, log_seqlen_unbalance
 from hybridflow.utils.timer import marked_timer
 from hybridflow.utils.torch_functional import masked_mean
@@ -97,6 +98,8 @@ class RayPPOTrainer:
         self.log_prob_parity = LogProbParity()
         self.old_log_probs_from_update = update_computes_old_log_probs(config)
         self.concurrent_phases = bool(config.trainer.get("concurrent_phases", True))
+        self.rollout_backend = str(config.actor_rollout_ref.rollout.name)
+        self.log_prob_gap_limit = gap_limit(config.actor_rollout_ref.rollout, computes_in_fp32(config))
 
     # ------------------------------------------------------------------ setup
     def init_workers(self) -> None:
@@ -162,6 +165,7 @@ class RayPPOTrainer:
                 batch = self.compute_advantage(batch, metrics)
             # the critic and the actor update read the same advantages and nothing of each other
             metrics.update(self.update_models(batch, timing))
+        check_log_prob_gap(metrics, self.log_prob_gap_limit, self.global_steps, self.rollout_backend)
         self.dump_rollouts(batch)
         batch.meta_info["max_prompt_length"] = int(self.config.data.max_prompt_length)
         metrics.update(metric_utils.compute_data_metrics(batch, use_critic=self.use_critic))
@@ -313,8 +317,9 @@ class RayPPOTrainer:
         if rollout_log_probs is not None:
             old_log_probs = output.batch[keys.OLD_LOG_PROBS]
             parity = metric_utils.rollout_parity_metrics(rollout_log_probs, old_log_probs, response_mask)
-            metrics.update(parity)
-            tolerance = float(rollout_cfg.get("log_prob_parity_tolerance", 1e-5))
+            metrics.update(parity)  # a gap beyond the limit stops the run before this step's update
+            check_log_prob_gap(parity, self.log_prob_gap_limit, self.global_steps, self.rollout_backend)
+            tolerance = parity_tolerance(rollout_cfg)
             if use_rollout:
                 matched = parity["training/rollout_log_probs_diff_max"] <= tolerance
                 self.log_prob_parity = LogProbParity(verified=matched, checked_at=self.global_steps)
@@ -540,3 +545,15 @@ def total_training_steps(config: DictConfig, batches_per_epoch: int) -> int:
     if config.trainer.get("total_training_steps"):
         return int(config.trainer.total_training_steps)
     return batches_per_epoch * int(config.trainer.total_epochs)
+
+
+def computes_in_fp32(config: DictConfig) -> bool:
+    """Whether the rollout and the actor's log-prob recompute both run in fp32 (then their log-probs
+    agree to rounding, and a gap beyond 1e-2 means different weights)."""
+    from hybridflow.workers.fsdp_utils import compute_dtype
+    from hybridflow.workers.rollout.engine_rollout import engine_dtype
+
+    device = str(config.trainer.device)
+    rollout = engine_dtype(config.actor_rollout_ref.rollout.get("dtype"), device)
+    actor = compute_dtype(config.actor_rollout_ref.actor.fsdp_config, device)
+    return rollout == torch.float32 and actor == torch.float32

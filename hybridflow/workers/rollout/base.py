@@ -123,3 +123,23 @@ def assemble_output(
     if rollout_log_probs is not None:
         tensors[keys.ROLLOUT_LOG_PROBS] = rollout_log_probs * response_mask
     return DataProto.from_dict(tensors, meta_info={})
+
+
+def completions_output(
+    prompts: DataProto,
+    completions: list,
+    response_length: int,
+    eos_ids: list[int],
+    pad_id: int,
+    with_log_probs: bool,
+) -> DataProto:
+    """The standard output (:func:`assemble_output`) for one completion per prompt row, in row order:
+    each completion's ``token_ids`` and ``log_probs`` (lists) fill a ``response_length``-wide row. Rows
+    are built on the host from the engine's token lists; :func:`assemble_output` moves them once."""
+    responses = torch.full((len(completions), response_length), pad_id, dtype=torch.long)
+    log_probs = torch.zeros(len(completions), response_length, dtype=torch.float32)
+    for row, completion in enumerate(completions):
+        tokens = completion.token_ids[:response_length]
+        responses[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        log_probs[row, : len(tokens)] = torch.tensor(completion.log_probs[:response_length])
+    return assemble_output(prompts, responses, eos_ids, pad_id, log_probs if with_log_probs else None)

@@ -1,11 +1,11 @@
 """The default rollout: hybridflow's embedded engine, fed with the actor's weights in place.
 
-``actor_rollout_ref.rollout.name=engine`` (also answers to ``vllm`` and ``sglang``, which cannot run
-here, so verl command lines run unchanged). The engine keeps its own copy of the weights in a
-generation layout; :meth:`EngineRollout.update_weights` refreshes it from the (FSDP2-sharded) actor
-one FSDP unit at a time after each update. The KV cache lives only while generating when
-``free_cache_engine`` is on (verl's sleep/wake), so it never sits beside the training memory; the
-worker frees the engine's weights then too (:meth:`EngineRollout.release_weights`).
+``actor_rollout_ref.rollout.name=engine`` (``vllm`` is vLLM itself: :mod:`.vllm_rollout`). The engine
+keeps its own copy of the weights in a generation layout; :meth:`EngineRollout.update_weights`
+refreshes it from the (FSDP2-sharded) actor one FSDP unit at a time after each update. The KV cache
+lives only while generating when ``free_cache_engine`` is on (verl's sleep/wake), so it never sits
+beside the training memory; the worker frees the engine's weights then too
+(:meth:`EngineRollout.release_weights`).
 
 With ``rollout.tensor_model_parallel_size`` t_g > 1, or a tensor-parallel actor, the engine holds one
 rank's share of a generation group (:mod:`.engine.parallel`) and a sync reshards the actor's training
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import time
 
@@ -28,7 +27,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.utils.device import default_compute_dtype, has_fast_bf16
 from hybridflow.workers.rollout.base import (
     BaseRollout,
-    assemble_output,
+    completions_output,
     generation_seed,
     register_rollout,
     sampling_params,
@@ -44,8 +43,6 @@ from hybridflow.workers.rollout.engine.threaded import (
     sub_engines,
 )
 from hybridflow.workers.rollout.engine.weight_sync import sync_weights
-
-logger = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
@@ -154,7 +151,7 @@ def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list
     return groups
 
 
-@register_rollout("engine", "vllm", "sglang")
+@register_rollout("engine")
 class EngineRollout(BaseRollout):
     """``module`` is the actor's (possibly FSDP2- and TP-sharded) HF model; ``config`` the rollout
     section; ``rank`` this process's rank in the actor's group. ``layout`` (training TP and generation
@@ -176,8 +173,6 @@ class EngineRollout(BaseRollout):
         self.seed_rank = layout.gen_coords(rank)[0] if layout is not None else rank
         self.multi_turn = bool(config.get("multi_turn", {}).get("enable", False))
         self._agent_loop = None
-        if config.get("name") in ("vllm", "sglang") and rank == 0:
-            logger.warning("rollout.name=%s: using hybridflow's embedded engine instead", config.name)
         device = _module_device(module)
         dtype = engine_dtype(config.get("dtype"), device.type)
         self.model = EngineModel.empty_like_hf_module(
@@ -277,15 +272,13 @@ class EngineRollout(BaseRollout):
                 while self.engine.has_unfinished():
                     self.engine.step()
             completions = [c for r in requests for c in r.completions]
-        response_length = int(self.config.response_length)
-        # rows are built on the host from the engine's token lists; assemble_output moves them once
-        responses = torch.full((len(completions), response_length), pad_id, dtype=torch.long)
-        log_probs = torch.zeros(len(completions), response_length, dtype=torch.float32)
-        for row, completion in enumerate(completions):
-            responses[row, : len(completion.token_ids)] = torch.tensor(completion.token_ids)
-            log_probs[row, : len(completion.log_probs)] = torch.tensor(completion.log_probs)
-        return assemble_output(
-            prompts, responses, eos_ids, pad_id, log_probs if self.config.get("calculate_log_probs") else None
+        return completions_output(
+            prompts,
+            completions,
+            int(self.config.response_length),
+            eos_ids,
+            pad_id,
+            bool(self.config.get("calculate_log_probs")),
         )
 
     def _generate_conversations(
