@@ -2,7 +2,7 @@
 
 Reads a verl-schema parquet (``data.path``), applies the model's chat template to each row's
 ``data.prompt_key`` messages (``add_generation_prompt=True``), samples ``data.n_samples`` responses
-per prompt with the embedded engine in this process (no Ray), and writes the input table plus a
+per prompt in this process (no Ray) with the embedded engine or vLLM (``rollout.name``), and writes the input table plus a
 ``responses`` column (a list of ``n_samples`` strings per row, special tokens skipped) to
 ``data.output_path``. Keys are those of ``config/generation.yaml``; an unknown key, or a value whose
 effect is not delivered here (``honesty.GENERATION_LIMITED_VALUES``), is an error.
@@ -20,7 +20,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 RESPONSES_COLUMN = "responses"
-ENGINE_NAMES = ("engine", "vllm", "sglang")  # vllm/sglang cannot run here: the embedded engine stands in
+ENGINE_NAMES = ("engine", "vllm")  # hybridflow's engine, or vLLM itself
 
 
 @hydra.main(config_path="config", config_name="generation", version_base=None)
@@ -129,9 +129,13 @@ def validate_generation_config(config: DictConfig) -> None:
     if rollout.dtype not in DTYPES and rollout.dtype != "auto":
         problems.append(f"rollout.dtype={rollout.dtype!r}; choose one of {sorted(DTYPES) + ['auto']}")
     if rollout.name not in ENGINE_NAMES:
-        problems.append(
-            f"rollout.name={rollout.name!r}; generation runs on the embedded engine {ENGINE_NAMES}"
-        )
+        problems.append(f"rollout.name={rollout.name!r}; generation runs on one of {ENGINE_NAMES}")
+    elif rollout.name == "vllm":
+        from hybridflow.workers.rollout.vllm_rollout import vllm_unavailable_reason
+
+        reason = vllm_unavailable_reason(str(trainer.device))
+        if reason is not None:
+            problems.append(f"rollout.name=vllm cannot run: {reason}")
     problems += device_problems(str(trainer.device), local_workers=1)  # generates in this process
     problems += generation_problems(config)  # values whose effect is not delivered here
     if problems:
@@ -184,7 +188,10 @@ def prompt_token_ids(
 
 
 def build_engine(config: DictConfig):
-    """The embedded engine holding a copy of ``model.path``'s weights (the HF module is dropped)."""
+    """The generation engine on ``model.path``'s weights: vLLM reading the directory itself
+    (``rollout.name=vllm``), or the embedded engine holding a copy (the HF module is dropped)."""
+    if config.rollout.name == "vllm":
+        return _start_vllm(config)
     from hybridflow.workers.model_builder import load_hf_model
     from hybridflow.workers.rollout.engine import EngineModel
     from hybridflow.workers.rollout.engine_rollout import build_llm_engine, engine_dtype, engine_max_len
@@ -194,6 +201,23 @@ def build_engine(config: DictConfig):
     model = EngineModel.from_hf_module(module, engine_max_len(config.rollout), dtype=dtype)
     del module
     return build_llm_engine(model, config.rollout)
+
+
+def _start_vllm(config: DictConfig):
+    """vLLM in this process on ``model.path``'s own weights (load_format auto: no actor syncs them here)."""
+    from hybridflow.workers.model_builder import import_external_lib
+    from hybridflow.workers.rollout.engine_rollout import engine_dtype, engine_max_len
+    from hybridflow.workers.rollout.vllm_rollout.config import start_vllm
+
+    import_external_lib(config.model.external_lib)
+    rollout = OmegaConf.merge(config.rollout, {"load_format": "auto"})
+    return start_vllm(
+        os.path.expanduser(str(config.model.path)),
+        rollout,
+        engine_dtype(config.rollout.dtype, str(config.trainer.device)),
+        engine_max_len(config.rollout),
+        trust_remote_code=bool(config.model.trust_remote_code),
+    )
 
 
 def write_responses(table, responses: list[list[str]], output_path: str) -> str:
