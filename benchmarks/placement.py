@@ -73,7 +73,7 @@ def main() -> None:
         load_profile,
         rank_placements,
     )
-    from hybridflow.placement.profile import measure_run, profile
+    from hybridflow.profile_placement import measure_run, profile
     from hybridflow.trainer.config import load_config
     from hybridflow.trainer.ppo.workers_setup import build_worker_groups
 

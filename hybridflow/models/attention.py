@@ -1,9 +1,9 @@
 """Attention for the trained models (actor, reference, critic, reward model) on the CPU.
 
 PyTorch's SDPA kernel for the CPU (flash attention) is slow for the short sequences of RL
-post-training on small machines, worst in bf16: measured on the 2-core AVX-512 machine of the
-README, a forward and backward of a 3M Qwen2 over 64 x 146 tokens takes 1.36 s with SDPA and 0.95 s
-with two matmuls and a softmax under bf16 autocast (fp32: 1.64 s vs 1.52 s). The matmul form stores
+post-training on small machines, worst in bf16: measured on the 2-core AVX-512 machine of
+docs/benchmarks.md, a forward and backward of a 3M Qwen2 over 64 x 146 tokens takes 1.36 s with SDPA
+and 0.95 s with two matmuls and a softmax under bf16 autocast (fp32: 1.64 s vs 1.52 s). The matmul form stores
 the (B, heads, T, T) attention weights for the backward, which is what SDPA avoids, so it is used only
 while those are small.
 

@@ -5,10 +5,11 @@
 - :mod:`.cost_model`: per-phase times fitted from a short profiling run, and a step's predicted time
   for a placement (phases on one pool queue, phases on different pools overlap);
 - :mod:`.planner`: Algorithm 1 — enumerate placements and per-pool device counts, rank them by the
-  cost model (``python -m hybridflow.placement.plan``);
-- :mod:`.profile`: the profiling run that calibrates the cost model
-  (``python -m hybridflow.placement.profile``);
+  cost model;
 - :mod:`.local_cluster`: a multi-node Ray cluster on one machine (tests and trying multi-node runs).
 
-Nothing here is imported by ``import hybridflow``.
+Their command lines are entry points above the trainer (they build and train runs):
+``python -m hybridflow.profile_placement`` (the profiling run that calibrates the cost model) and
+``python -m hybridflow.plan_placement`` (the ranking). Nothing here imports the trainer, and nothing
+here is imported by ``import hybridflow``.
 """

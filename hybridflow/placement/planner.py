@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from hybridflow.placement.cost_model import CostModel, Workload, step_seconds
-from hybridflow.placement.spec import Placement, batch_problems, roles_in_use
+from hybridflow.placement.spec import Placement, batch_problems
+from hybridflow.utils.roles import roles_in_use, update_computes_old_log_probs
 
 # Resident bytes per parameter (fp32 master weights): the trained actor holds weights, gradients,
 # two Adam moments and the rollout engine's copy; the critic the first four; frozen models weights only.
@@ -131,8 +132,6 @@ def count_parameters(
 
 def workload_from_config(config: DictConfig) -> Workload:
     """The step's :class:`Workload`: model sizes of the roles in use, rows and lengths."""
-    from hybridflow.trainer.ppo.ray_trainer import update_computes_old_log_probs
-
     roles = roles_in_use(config)
     paths = {
         "actor_rollout": (config.actor_rollout_ref.model.path, "causal_lm"),
@@ -159,16 +158,12 @@ def workload_from_config(config: DictConfig) -> Workload:
 
 # ------------------------------------------------------------------------------------------ profiles
 def load_profile(path: str) -> tuple[CostModel, dict]:
-    """The cost model calibrated from a profile JSON (:mod:`.profile`), and the JSON itself."""
+    """The cost model calibrated from a profile JSON (written by :mod:`hybridflow.profile_placement`),
+    and the JSON itself."""
     with open(os.path.expanduser(path)) as f:
         profile = json.load(f)
     samples = [{**s, "workload": Workload(**s["workload"])} for s in profile["samples"]]
     return CostModel.calibrate(samples), profile
-
-
-def choose_placement(config: DictConfig) -> Placement:
-    """``trainer.placement=auto``: the fastest predicted placement for ``config``."""
-    return _best(config)[0].placement
 
 
 def _best(config: DictConfig) -> tuple[Candidate, list[Candidate]]:

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, ListConfig
 
+from hybridflow.utils.roles import ROLES, roles_in_use
+
 PLACEMENT_MODES = ("colocated", "pools", "auto")
-ROLES = ("actor_rollout", "ref", "critic", "rm")
 COLOCATED_POOL = "global_pool"
 
 
@@ -65,22 +66,14 @@ class Placement:
         return {pool: list(counts) for pool, counts in self.pools.items()}, dict(self.mapping)
 
 
-def roles_in_use(config: DictConfig) -> list[str]:
-    """The roles this run builds, in :data:`ROLES` order."""
-    from hybridflow.trainer.ppo.ray_trainer import need_critic, need_reference
-
-    used = {"actor_rollout": True, "ref": need_reference(config), "critic": need_critic(config)}
-    used["rm"] = bool(config.reward_model.enable)
-    return [role for role in ROLES if used[role]]
-
-
 def colocated_placement(workers_per_node: list[int], roles: list[str]) -> Placement:
     return Placement({COLOCATED_POOL: tuple(workers_per_node)}, {role: COLOCATED_POOL for role in roles})
 
 
 def placement_from_config(config: DictConfig) -> Placement:
-    """The run's placement (``auto`` without a written choice asks the planner). Assumes
-    :func:`placement_problems` found nothing."""
+    """The run's placement as the config writes it. Assumes :func:`placement_problems` found nothing;
+    ``auto`` needs the planner's choice written first
+    (:func:`hybridflow.placement.planner.resolve_auto_placement`, done by ``run_ppo``)."""
     trainer = config.trainer
     roles = roles_in_use(config)
     mode = trainer.get("placement", "colocated")
@@ -88,9 +81,10 @@ def placement_from_config(config: DictConfig) -> Placement:
     if mode == "colocated":
         return colocated_placement([int(trainer.n_gpus_per_node)] * int(trainer.nnodes), roles)
     if mode == "auto" and not spec:
-        from hybridflow.placement.planner import choose_placement
-
-        return choose_placement(config)
+        raise ValueError(
+            "trainer.placement=auto: the planner's choice is not written yet; "
+            "hybridflow.placement.planner.resolve_auto_placement(config) writes it"
+        )
     pools = {str(name): tuple(int(n) for n in counts) for name, counts in spec.items()}
     mapping = {str(role): str(pool) for role, pool in (trainer.get("role_pool_mapping") or {}).items()}
     actor_pool = mapping.get("actor_rollout", next(iter(pools)))
@@ -125,7 +119,7 @@ def placement_problems(config: DictConfig) -> list[str]:
         if not profile or not os.path.isfile(os.path.expanduser(str(profile))):
             problems.append(
                 f"trainer.placement=auto needs trainer.placement_profile, the JSON of a profiling run "
-                f"(python -m hybridflow.placement.profile); {profile!r} is not a file"
+                f"(python -m hybridflow.profile_placement); {profile!r} is not a file"
             )
         if mapping and not spec:
             problems.append("trainer.placement=auto chooses role_pool_mapping itself; remove it")

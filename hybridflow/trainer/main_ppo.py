@@ -111,8 +111,8 @@ def seconds_since_process_start() -> float:
 
 def start_worker_groups(config: DictConfig):
     """The run's worker groups, created without waiting for their processes to come up."""
-    from hybridflow.trainer.ppo.ray_trainer import need_critic, need_reference
     from hybridflow.trainer.ppo.workers_setup import build_worker_groups
+    from hybridflow.utils.roles import need_critic, need_reference
 
     return build_worker_groups(config, need_critic(config), need_reference(config))
 

@@ -5,7 +5,8 @@ the rollout's KV cache (re-created per call with ``free_cache_engine``), logits.
 blocks above a dynamic threshold (128 KiB at first) with ``mmap`` and returns freed heap tops above
 ``M_TRIM_THRESHOLD`` to the OS, so the next step page-faults the same memory back in and the kernel
 zeroes it again. On the 2-core VM this project measures on, re-creating a 100 MiB KV cache took
-25-100 ms that way and ~5 ms from memory the process kept (PLATFORM_NOTES-style numbers in the README).
+25-100 ms that way and ~5 ms from memory the process kept (PLATFORM_NOTES-style numbers in
+docs/benchmarks.md).
 
 :func:`keep_freed_host_memory` raises both thresholds (``mallopt``) for the calling process: blocks up
 to ``mmap_threshold`` come from the heap, and up to ``trim_threshold`` of free heap top stays mapped.

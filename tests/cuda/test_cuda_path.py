@@ -23,7 +23,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a visible CUDA GPU"),
 ]
 # |rollout - recomputed| log-prob under bf16 on both sides (engine bf16, actor bf16 compute over fp32
-# master weights): the two paths round differently. The bounds are measured on an H100 (see README).
+# master weights): the two paths round differently. The bounds are measured on an H100 (see docs/gpu.md).
 BF16_PARITY_MEAN, BF16_PARITY_MAX = 0.05, 1.0
 
 

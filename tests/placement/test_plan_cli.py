@@ -1,4 +1,4 @@
-"""``python -m hybridflow.placement.plan`` and ``trainer.placement=auto`` on a hand-made profile whose
+"""``python -m hybridflow.plan_placement`` and ``trainer.placement=auto`` on a hand-made profile whose
 ranking is derived by hand. The profile measures the target run itself at 1 and 2 workers, so the
 cost model reproduces those times exactly and every placement's step is a sum of them:
 
@@ -19,7 +19,7 @@ from dataclasses import asdict
 
 import pytest
 
-from hybridflow.placement import plan
+from hybridflow import plan_placement
 from hybridflow.placement.planner import resolve_auto_placement, workload_from_config
 from hybridflow.placement.spec import placement_from_config
 from hybridflow.trainer.config import load_config, validate_config
@@ -71,8 +71,8 @@ def _args(tiny_model_dir, profile_path) -> list[str]:
 @pytest.fixture()
 def profile_path(tiny_model_dir, tmp_path):
     """The hand-made profile, on the workload the CLI arguments describe."""
-    args = plan.build_parser().parse_args(_args(tiny_model_dir, "unused"))
-    load = workload_from_config(load_config(plan.plan_overrides(args)))
+    args = plan_placement.build_parser().parse_args(_args(tiny_model_dir, "unused"))
+    load = workload_from_config(load_config(plan_placement.plan_overrides(args)))
     samples = [
         {
             "workers": dict.fromkeys(load.params, w),
@@ -88,7 +88,7 @@ def profile_path(tiny_model_dir, tmp_path):
 
 
 def test_plan_prints_the_hand_derived_ranking(tiny_model_dir, profile_path, capsys):
-    plan.main(_args(tiny_model_dir, profile_path))
+    plan_placement.main(_args(tiny_model_dir, profile_path))
     lines = capsys.readouterr().out.strip().splitlines()[1:]
     assert len(lines) == len(EXPECTED)
     for line, (seconds, placement) in zip(lines, EXPECTED, strict=True):
@@ -99,10 +99,10 @@ def test_plan_prints_the_hand_derived_ranking(tiny_model_dir, profile_path, caps
 def test_device_memory_rules_out_placements_that_do_not_fit(tiny_model_dir, profile_path, capsys):
     # the actor's 20 bytes/param alone need about half of this budget per worker: a worker holding the
     # actor and the critic (16 bytes/param) does not fit, two workers sharing them do
-    args = plan.build_parser().parse_args(_args(tiny_model_dir, "unused"))
-    params = workload_from_config(load_config(plan.plan_overrides(args))).params["actor_rollout"]
+    args = plan_placement.build_parser().parse_args(_args(tiny_model_dir, "unused"))
+    params = workload_from_config(load_config(plan_placement.plan_overrides(args))).params["actor_rollout"]
     budget_gb = 30 * params / 2**30 / 0.9
-    plan.main([*_args(tiny_model_dir, profile_path), "--device-memory-gb", str(budget_gb)])
+    plan_placement.main([*_args(tiny_model_dir, profile_path), "--device-memory-gb", str(budget_gb)])
     lines = capsys.readouterr().out.strip().splitlines()[1:]
     assert [line.split(maxsplit=3)[3].split("  (")[0] for line in lines] == [
         "actor_rollout+ref on actor_rollout_ref [1]; critic on critic [1]",
@@ -113,10 +113,10 @@ def test_device_memory_rules_out_placements_that_do_not_fit(tiny_model_dir, prof
 
 def test_placement_auto_runs_the_planner_s_choice(tiny_model_dir, arithmetic_data, profile_path):
     train, test = arithmetic_data
-    args = plan.build_parser().parse_args(_args(tiny_model_dir, profile_path))
+    args = plan_placement.build_parser().parse_args(_args(tiny_model_dir, profile_path))
     config = load_config(
         [
-            *plan.plan_overrides(args),
+            *plan_placement.plan_overrides(args),
             f"data.train_files={train}",
             f"data.val_files={test}",
             "trainer.placement=auto",

@@ -14,8 +14,8 @@ import statistics
 import pytest
 
 from hybridflow.placement.planner import format_ranking, load_profile, rank_placements
-from hybridflow.placement.profile import measure_run, profile
 from hybridflow.placement.spec import placement_from_config
+from hybridflow.profile_placement import measure_run, profile
 from hybridflow.trainer.config import load_config
 from hybridflow.trainer.ppo.workers_setup import build_worker_groups
 

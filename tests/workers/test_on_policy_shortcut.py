@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from hybridflow import keys
 from hybridflow.trainer.config import load_config
-from hybridflow.trainer.ppo.ray_trainer import update_computes_old_log_probs
+from hybridflow.utils.roles import update_computes_old_log_probs
 from hybridflow.utils.torch_functional import masked_mean
 from hybridflow.workers.actor.dp_actor import DataParallelPPOActor
 from hybridflow.workers.fsdp_utils import build_device_mesh

@@ -19,7 +19,7 @@ import os
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from hybridflow.trainer.config.parallelism import tensor_parallel_problems
+from hybridflow.trainer.config.parallelism import role_world_size, tensor_parallel_problems
 
 # dotted key -> (the values whose effect is delivered, why other values are refused / what to do).
 LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
@@ -162,7 +162,7 @@ def _checkpoint_problems(config: DictConfig, section: str) -> list[str]:
 
 def _fsdp_sections(config: DictConfig) -> list[tuple[str, bool]]:
     """(dotted fsdp_config path, trainable parameters are the model's own) for each model in use."""
-    from hybridflow.trainer.ppo.ray_trainer import need_critic
+    from hybridflow.utils.roles import need_critic
 
     lora = int(config.actor_rollout_ref.model.get("lora_rank", 0) or 0) > 0
     sections = [
@@ -237,30 +237,8 @@ def _fsdp_problems(config: DictConfig) -> list[str]:
     for path, trainable in _fsdp_sections(config):
         fsdp = _value(config, path) or {}
         problems += _dtype_problems(path, fsdp, trainable)
-        problems += _sharding_problems(path, fsdp, _role_world_size(config, path))
+        problems += _sharding_problems(path, fsdp, role_world_size(config, path))
     return problems
-
-
-def _role_world_size(config: DictConfig, fsdp_path: str) -> int:
-    """Worker processes of the pool the section's model runs on (``trainer.placement``)."""
-    from hybridflow.placement.spec import placement_from_config, placement_problems
-
-    everything = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
-    if config.trainer.get("placement", "colocated") == "colocated" or placement_problems(config):
-        return everything
-    if config.trainer.placement == "auto" and not config.trainer.resource_pool_spec:
-        return everything
-    role = next(r for prefix, r in _FSDP_ROLES if fsdp_path.startswith(prefix))
-    placement = placement_from_config(config)
-    return placement.world_size(role if role in placement.mapping else "actor_rollout")
-
-
-_FSDP_ROLES = (
-    ("actor_rollout_ref.ref", "ref"),
-    ("actor_rollout_ref", "actor_rollout"),
-    ("critic", "critic"),
-    ("reward_model", "rm"),
-)
 
 
 def _leaves(value) -> list:

@@ -59,15 +59,35 @@ def _model_problems(key: str, size: int, facts: dict | None) -> list[str]:
 
 
 def _in_use(config: DictConfig, section: str) -> bool:
-    from hybridflow.trainer.ppo.ray_trainer import need_critic
+    from hybridflow.utils.roles import need_critic
 
     return need_critic(config) if section == "critic" else True
 
 
+def role_world_size(config: DictConfig, fsdp_path: str) -> int:
+    """Worker processes of the pool the section's model runs on (``trainer.placement``)."""
+    from hybridflow.placement.spec import placement_from_config, placement_problems
+
+    everything = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+    if config.trainer.get("placement", "colocated") == "colocated" or placement_problems(config):
+        return everything
+    if config.trainer.placement == "auto" and not config.trainer.resource_pool_spec:
+        return everything
+    role = next(r for prefix, r in _FSDP_ROLES if fsdp_path.startswith(prefix))
+    placement = placement_from_config(config)
+    return placement.world_size(role if role in placement.mapping else "actor_rollout")
+
+
+_FSDP_ROLES = (
+    ("actor_rollout_ref.ref", "ref"),
+    ("actor_rollout_ref", "actor_rollout"),
+    ("critic", "critic"),
+    ("reward_model", "rm"),
+)
+
+
 def tensor_parallel_problems(config: DictConfig) -> list[str]:
     """One line per tensor-parallel setting that cannot run (empty: the layout is sound)."""
-    from hybridflow.trainer.config.honesty import _role_world_size
-
     problems: list[str] = []
     sizes: dict[str, int] = {}
     for section, fsdp_path, model_key in SECTIONS:
@@ -78,7 +98,7 @@ def tensor_parallel_problems(config: DictConfig) -> list[str]:
             problems.append(f"{key}={size!r} must be a positive integer")
             continue
         sizes[section] = size
-        world = _role_world_size(config, fsdp_path)
+        world = role_world_size(config, fsdp_path)
         if world % size:
             problems.append(f"{key}={size} does not divide the role's {world} worker processes")
         problems += _model_problems(key, size, _model_sizes(OmegaConf.select(config, model_key)))

@@ -248,7 +248,7 @@ def estimate_checkpoint_bytes(config) -> int:
     (actor, critic), the saved parameters in ``model_dtype`` plus AdamW's two states per trainable
     parameter (:func:`_role_bytes`), plus the ``huggingface/`` config and tokenizer files; times
     :data:`SPACE_MARGIN`."""
-    from hybridflow.trainer.ppo.ray_trainer import need_critic
+    from hybridflow.utils.roles import need_critic
 
     world = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
     actor_model = config.actor_rollout_ref.model

@@ -17,7 +17,6 @@ when their roles are on different resource pools (``trainer.placement``).
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,26 +36,18 @@ from hybridflow.trainer.ppo.checkpointing import TrainerCheckpointer
 from hybridflow.trainer.ppo.concurrent_phases import Phase, run_phases
 from hybridflow.trainer.ppo.dynamic_sampling import GroupFilter
 from hybridflow.trainer.ppo.preemption import StopRequest, TrainingPreempted
+from hybridflow.trainer.ppo.rollouts import rollout_with_uids
 from hybridflow.trainer.ppo.workers_setup import WorkerGroups, build_worker_groups
+from hybridflow.utils.roles import (
+    ESTIMATORS_NEEDING_GREEDY_BASELINE,
+    need_critic,
+    need_reference,
+    update_computes_old_log_probs,
+)
 from hybridflow.utils.rollout_parity import check_log_prob_gap, gap_limit, parity_tolerance
 from hybridflow.utils.seqlen_balancing import get_seqlen_balanced_partitions, log_seqlen_unbalance
 from hybridflow.utils.timer import marked_timer
 from hybridflow.utils.torch_functional import masked_mean
-
-# Estimators that read the critic's values; the critic is built only when one of them is selected.
-ESTIMATORS_NEEDING_VALUES = frozenset({"gae"})
-# Estimators whose baseline is the reward of a greedy response to the same prompt (``reward_baselines``).
-ESTIMATORS_NEEDING_GREEDY_BASELINE = frozenset({"remax"})
-
-
-def need_critic(config: DictConfig) -> bool:
-    if config.critic.get("enable") is not None:
-        return bool(config.critic.enable)
-    return config.algorithm.adv_estimator in ESTIMATORS_NEEDING_VALUES
-
-
-def need_reference(config: DictConfig) -> bool:
-    return bool(config.actor_rollout_ref.actor.use_kl_loss or config.algorithm.use_kl_in_reward)
 
 
 class RayPPOTrainer:
@@ -450,34 +441,6 @@ class LogProbParity:
         return self.verified and step - self.checked_at < check_freq
 
 
-PROMPT_INPUT_KEYS = [keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS]
-
-
-def rollout_with_uids(
-    actor_rollout, prompts: DataProto, n: int, meta_info: dict, timing: dict, metrics: dict | None = None
-) -> DataProto:
-    """Give each prompt a ``uid``, repeat it ``n`` times, generate, and join responses to the prompt rows.
-
-    Only the prompt tensors travel to the rollout workers; the rest of the batch (ground truths, data
-    sources, ...) stays on the controller and is re-attached to the output."""
-    prompts.non_tensor_batch[keys.UID] = _object_array([str(uuid.uuid4()) for _ in range(len(prompts))])
-    prompts = prompts.repeat(n, interleave=True)
-    tools_kwargs = [key for key in ("tools_kwargs",) if key in prompts.non_tensor_batch]  # multi-turn tools
-    gen_input = prompts.select(
-        batch_keys=PROMPT_INPUT_KEYS, non_tensor_batch_keys=tools_kwargs, meta_info_keys=[]
-    )
-    gen_input.meta_info = dict(meta_info)
-    with marked_timer("generate_call", timing):  # the driver's wall for the call (dispatch included)
-        output = actor_rollout.generate_sequences(gen_input)
-    for key, values in output.meta_info.pop("metrics", {}).items():
-        if "/" not in key:  # phase seconds, averaged over ranks -> timing_s/<key>
-            timing[key] = sum(values) / len(values)
-        elif metrics is not None:  # e.g. perf/update_weights_peak_extra_mb: the worst rank
-            metrics[key] = max(values)
-    prompts.pop(batch_keys=PROMPT_INPUT_KEYS)
-    return prompts.union(output)
-
-
 def _reduced(output: DataProto) -> dict[str, float]:
     """An update's metrics (lists over micro-batches and ranks) reduced to numbers."""
     return metric_utils.reduce_metrics(output.meta_info["metrics"])
@@ -515,23 +478,6 @@ def group_balanced_partitions(uids, seqlens: list[int], world: int) -> list[list
     tokens = [sum(seqlens[i] for i in m) for m in members]
     parts = get_seqlen_balanced_partitions(tokens, k_partitions=world, equal_size=True)
     return [sorted(i for g in part for i in members[g]) for part in parts]
-
-
-def update_computes_old_log_probs(config: DictConfig) -> bool:
-    """Whether the actor update's own forward is provably the old policy's, so its log-probs
-    (detached) are ``old_log_probs`` and the separate old-log-prob pass is skipped (TRL and verl's
-    on-policy shortcut): one PPO epoch and one mini-batch per step (the whole batch is one optimizer
-    step, so every micro-batch sees the weights that generated it), and nothing needs them before the
-    update (no KL penalty in the reward; ``use_rollout_log_probs`` asks for the engine's instead).
-    Exact: ratio = exp(log pi - sg(log pi)) = 1, gradient = grad log pi."""
-    actor = config.actor_rollout_ref.actor
-    return (
-        bool(actor.get("reuse_update_log_probs", True))
-        and int(actor.ppo_epochs) == 1
-        and int(actor.ppo_mini_batch_size) == int(config.data.train_batch_size)
-        and not bool(config.algorithm.use_kl_in_reward)
-        and not bool(config.actor_rollout_ref.rollout.get("use_rollout_log_probs", False))
-    )
 
 
 def set_optim_total_steps(config: DictConfig, total_steps: int) -> None:

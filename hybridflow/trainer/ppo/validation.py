@@ -11,11 +11,10 @@ from hybridflow import keys
 from hybridflow.protocol import AUTO_PADDING_KEY, DataProto
 from hybridflow.trainer.ppo import metric_utils
 from hybridflow.trainer.ppo.generations import decode_generations, ground_truths, report_val_generations
+from hybridflow.trainer.ppo.rollouts import rollout_with_uids
 
 
 def run_validation(trainer) -> dict[str, float]:
-    from hybridflow.trainer.ppo.ray_trainer import rollout_with_uids
-
     val_kwargs = trainer.config.actor_rollout_ref.rollout.val_kwargs
     meta = {
         "validate": True,

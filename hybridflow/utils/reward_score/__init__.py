@@ -26,17 +26,9 @@ from collections.abc import Callable, Iterable
 from functools import cache
 from typing import Any
 
-from hybridflow.utils.registry import Registry
-
-ScoreFn = Callable[..., float | dict]
-
-SCORERS: Registry[ScoreFn] = Registry("reward scorer for data_source")
-
-
-def register_scorer(data_source: str, *aliases: str) -> Callable[[ScoreFn], ScoreFn]:
-    """Decorator: score rows whose ``data_source`` is ``data_source`` or one of ``aliases``."""
-    return SCORERS.register(data_source, *aliases)
-
+# The built-in scorers register themselves into SCORERS on import.
+from hybridflow.utils.reward_score import arithmetic, gsm8k, math  # noqa: F401
+from hybridflow.utils.reward_score.registry import SCORERS, ScoreFn, register_scorer
 
 # The arguments every scorer receives; anything else it names is an extra keyword it accepts.
 DISPATCH_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -122,11 +114,9 @@ def default_compute_score(
     return float(result)
 
 
-# Built-in scorers register themselves on import.
-from hybridflow.utils.reward_score import arithmetic, gsm8k, math  # noqa: E402, F401
-
 __all__ = [
     "SCORERS",
+    "ScoreFn",
     "ScoreKwargsError",
     "accepted_kwargs",
     "default_compute_score",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from hybridflow.utils.reward_score import register_scorer
+from hybridflow.utils.reward_score.registry import register_scorer
 
 # An integer with an optional minus that is not the middle of a longer number ("5-3" yields 5 and 3).
 _INTEGER = re.compile(r"(?<!\d)-?\d+")

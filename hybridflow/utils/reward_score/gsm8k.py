@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from hybridflow.utils.reward_score import register_scorer
+from hybridflow.utils.reward_score.registry import register_scorer
 
 _SOLUTION_CLIP_CHARS = 300
 

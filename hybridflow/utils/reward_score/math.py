@@ -16,7 +16,7 @@ This string match is the default. Math-Verify (symbolic equivalence) is opt-in: 
 
 from __future__ import annotations
 
-from hybridflow.utils.reward_score import register_scorer
+from hybridflow.utils.reward_score.registry import register_scorer
 
 
 def last_boxed_only_string(string: str) -> str | None:

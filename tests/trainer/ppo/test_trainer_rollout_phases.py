@@ -21,7 +21,8 @@ from hybridflow import keys
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller.base import WorkerGroup
 from hybridflow.trainer.config import load_config
-from hybridflow.trainer.ppo.ray_trainer import RayPPOTrainer, rollout_with_uids
+from hybridflow.trainer.ppo.ray_trainer import RayPPOTrainer
+from hybridflow.trainer.ppo.rollouts import rollout_with_uids
 from hybridflow.trainer.ppo.workers_setup import WorkerGroups
 from hybridflow.workers.fsdp_workers import ActorRolloutRefWorker
 from tests.utils.checkpoint.fsdp_toy import gloo_group

@@ -1,6 +1,6 @@
 """The short profiling run that calibrates the planner::
 
-    python -m hybridflow.placement.profile --out profile.json [--workers 1 2] [--steps 3] key=value ...
+    python -m hybridflow.profile_placement --out profile.json [--workers 1 2] [--steps 3] key=value ...
 
 The ``key=value`` overrides describe the run to plan for (as for ``main_ppo``). It is trained for
 ``--steps`` steps colocated on each worker count, with the phases one at a time

@@ -1,13 +1,14 @@
 """Rank placements for a run::
 
-    python -m hybridflow.placement.plan --profile profile.json --actor MODEL [--critic MODEL] [--ref]
+    python -m hybridflow.plan_placement --profile profile.json --actor MODEL [--critic MODEL] [--ref]
         [--reward-model MODEL] --devices N [--nodes M] --batch B [--n N] --prompt-length P
         --response-length R [--device-memory-gb G] [--top K] [key=value ...]
 
 ``MODEL`` is a local Hugging Face model directory (only its ``config.json`` is read). ``--devices``
 counts the devices in all (GPUs, or 1-thread CPU worker processes), ``--nodes`` the machines they are
-on. The ranking comes from the cost model the profile calibrates (:mod:`.cost_model`); the first line
-is what ``trainer.placement=auto`` picks for the same run. Extra ``key=value`` overrides go into the
+on. The ranking comes from the cost model the profile calibrates
+(:mod:`hybridflow.placement.cost_model`); the first line is what ``trainer.placement=auto`` picks for
+the same run. Extra ``key=value`` overrides go into the
 run's config (as for ``main_ppo``), e.g. ``actor_rollout_ref.actor.ppo_mini_batch_size=16``.
 """
 
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--profile", required=True, help="profile JSON (python -m hybridflow.placement.profile)"
+        "--profile", required=True, help="profile JSON (python -m hybridflow.profile_placement)"
     )
     parser.add_argument("--actor", required=True, help="actor (and reference) model directory")
     parser.add_argument("--critic", default=None, help="critic model directory (omit: no critic, e.g. GRPO)")

@@ -1,0 +1,40 @@
+"""The driver's generate call, shared by training (:mod:`.ray_trainer`) and validation
+(:mod:`.validation`): prompts go out tagged with a ``uid``, responses come back joined to their rows."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+
+from hybridflow import keys
+from hybridflow.protocol import DataProto
+from hybridflow.utils.timer import marked_timer
+
+PROMPT_INPUT_KEYS = [keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS]
+
+
+def rollout_with_uids(
+    actor_rollout, prompts: DataProto, n: int, meta_info: dict, timing: dict, metrics: dict | None = None
+) -> DataProto:
+    """Give each prompt a ``uid``, repeat it ``n`` times, generate, and join responses to the prompt rows.
+
+    Only the prompt tensors travel to the rollout workers; the rest of the batch (ground truths, data
+    sources, ...) stays on the controller and is re-attached to the output."""
+    uids = [str(uuid.uuid4()) for _ in range(len(prompts))]
+    prompts.non_tensor_batch[keys.UID] = np.array(uids, dtype=object)
+    prompts = prompts.repeat(n, interleave=True)
+    tools_kwargs = [key for key in ("tools_kwargs",) if key in prompts.non_tensor_batch]  # multi-turn tools
+    gen_input = prompts.select(
+        batch_keys=PROMPT_INPUT_KEYS, non_tensor_batch_keys=tools_kwargs, meta_info_keys=[]
+    )
+    gen_input.meta_info = dict(meta_info)
+    with marked_timer("generate_call", timing):  # the driver's wall for the call (dispatch included)
+        output = actor_rollout.generate_sequences(gen_input)
+    for key, values in output.meta_info.pop("metrics", {}).items():
+        if "/" not in key:  # phase seconds, averaged over ranks -> timing_s/<key>
+            timing[key] = sum(values) / len(values)
+        elif metrics is not None:  # e.g. perf/update_weights_peak_extra_mb: the worst rank
+            metrics[key] = max(values)
+    prompts.pop(batch_keys=PROMPT_INPUT_KEYS)
+    return prompts.union(output)
