@@ -4,8 +4,8 @@ Reads a verl-schema parquet (``data.path``), applies the model's chat template t
 ``data.prompt_key`` messages (``add_generation_prompt=True``), samples ``data.n_samples`` responses
 per prompt in this process (no Ray) with the embedded engine or vLLM (``rollout.name``), and writes
 the input table plus a ``responses`` column (a list of ``n_samples`` strings per row, special tokens
-skipped) to ``data.output_path``. Keys are those of ``config/generation.yaml``; an unknown key, or a value whose
-effect is not delivered here (``honesty.GENERATION_LIMITED_VALUES``), is an error.
+skipped) to ``data.output_path``. Keys are those of ``config/generation.yaml``; an unknown key, or a
+value whose effect is not delivered here (``honesty.GENERATION_LIMITED_VALUES``), is an error.
 Score the result with ``python -m hybridflow.trainer.main_eval``.
 """
 
