@@ -258,6 +258,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         if self._is_rollout:
             self.rollout = self._build_rollout()
             self._rollout_weights_stale = False  # the rollout starts from the actor's current weights
+            self.weight_version = 0  # actor updates the engine has received
         if self._is_ref:
             self.ref_policy = DataParallelPPOActor(cfg.ref, self._ref_module())
 
@@ -305,6 +306,38 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         output.meta_info["metrics"] = metrics
         return output
 
+    # ------------------------------------------------------------------ server mode (rollout.mode=async)
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def rollout_wake_up(self) -> dict[str, float]:
+        """Before a phase of served requests: the actor's current weights into the engine (a collective,
+        as before a batch rollout) and its KV cache at full size. Returns the sync's metrics."""
+        metrics = self._sync_rollout_weights()
+        self.rollout.resume()
+        return metrics
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def rollout_sleep(self) -> None:
+        """After the served phase: with ``free_cache_engine``, nothing generation-only stays beside the
+        training state (KV cache, the embedded engine's weight copy)."""
+        if self.config.rollout.get("free_cache_engine", True):
+            self.rollout.release_weights()
+            self.rollout.release()
+
+    @register(dispatch_mode=Dispatch.ALL_TO_ALL)
+    def serve_requests(self, server) -> dict:
+        """Serve ``server``'s requests (this rank's replica) with the rollout's engine until it says stop
+        (:func:`hybridflow.workers.rollout.replica.serve_requests`). A long call: the worker takes no
+        other call meanwhile, so its collectives keep their order."""
+        from hybridflow.workers.rollout.engine_rollout import engine_sampling_params
+        from hybridflow.workers.rollout.replica import serve_requests
+
+        if self.rollout_tp > 1:
+            raise ValueError(
+                "rollout.mode=async serves one engine per rank: rollout.tensor_model_parallel_size=1"
+            )
+        defaults = engine_sampling_params(self.config.rollout, {}, self.eos_token_ids)
+        return serve_requests(self.rollout.engine, server, defaults, weight_version=self.weight_version)
+
     def _use_training_temperature(self, data: DataProto) -> None:
         """Log-probs, reference log-probs and the update all divide logits by ``rollout.temperature``
         from config: the one source. Whatever a batch carries (a greedy validation rollout samples at
@@ -316,6 +349,8 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         after the rollout freed its copy)."""
         if not self._rollout_weights_stale and self.rollout.weights_loaded:
             return {}
+        if self._rollout_weights_stale:
+            self.weight_version += 1  # the actor's weights changed since the engine last had them
         self._rollout_weights_stale = False
         return self.rollout.update_weights()
 

@@ -130,7 +130,7 @@ REJECTED = [
     ("critic.ulysses_sequence_parallel_size=2", "critic.ulysses_sequence_parallel_size=2 is not supported"),
     ("actor_rollout_ref.actor.strategy=megatron", "actor.strategy='megatron' is not supported: only FSDP2"),
     ("reward_model.strategy=megatron", "reward_model.strategy='megatron' is not supported"),
-    ("actor_rollout_ref.rollout.mode=async", "rollout.mode='async' is not supported"),
+    ("actor_rollout_ref.rollout.mode=server", "rollout.mode='server': use sync or async"),
     (
         "actor_rollout_ref.rollout.tensor_model_parallel_size=3",
         "rollout.tensor_model_parallel_size=3 does not divide the role's 2 worker processes",
@@ -184,13 +184,13 @@ def test_undelivered_settings_are_rejected(base_overrides, override, message):
 
 def test_rejections_are_listed_together(base_overrides):
     config = load_config(
-        [*base_overrides, "actor_rollout_ref.rollout.mode=async", "trainer.del_local_ckpt_after_load=true"]
+        [*base_overrides, "actor_rollout_ref.rollout.mode=server", "trainer.del_local_ckpt_after_load=true"]
     )
     with pytest.raises(ConfigError) as info:
         validate_config(config)
     lines = str(info.value).splitlines()
     assert lines[0] == "invalid config:"
-    assert any("rollout.mode='async'" in line for line in lines[1:])
+    assert any("rollout.mode='server'" in line for line in lines[1:])
     assert any("del_local_ckpt_after_load=True" in line for line in lines[1:])
 
 

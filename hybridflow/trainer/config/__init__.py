@@ -229,7 +229,65 @@ def _check_unsupported(config: DictConfig) -> list[str]:
         if path and not os.path.isfile(os.path.expanduser(str(path))):
             problems.append(f"rollout.multi_turn.tool_config_path: {path!r} is not a file")
     problems += _check_lora(config.actor_rollout_ref.model)
+    return problems + _agent_loop_problems(config)
+
+
+def _agent_loop_problems(config: DictConfig) -> list[str]:
+    """``rollout.mode``: sync, or async with agent loops that exist — the default one and every name in
+    the data's ``agent_name`` column, checked before the first step."""
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.mode not in ("sync", "async"):
+        return [f"rollout.mode={rollout.mode!r}: use sync or async"]
+    if rollout.mode == "sync":
+        return []
+    from hybridflow.workers.rollout.agent_loop.base import (
+        agent_loop_class,
+        load_agent_loop_configs,
+        registered_agent_loops,
+    )
+    from hybridflow.workers.rollout.agent_loop.worker import default_agent_loop
+
+    problems = []
+    if (
+        int(rollout.get("tensor_model_parallel_size") or 1) > 1
+        or int(config.actor_rollout_ref.actor.get("tensor_model_parallel_size") or 1) > 1
+    ):
+        problems.append(
+            "rollout.mode=async serves one engine per rank: rollout and actor "
+            "tensor_model_parallel_size must be 1"
+        )
+    if int(rollout.agent.num_workers) < 1:
+        problems.append(f"rollout.agent.num_workers must be >= 1, got {rollout.agent.num_workers}")
+    try:
+        load_agent_loop_configs(rollout.agent.get("agent_loop_config_path"))
+    except Exception as error:  # a bad YAML
+        return [*problems, f"rollout.agent.agent_loop_config_path: {type(error).__name__}: {error}"]
+    for name in sorted({default_agent_loop(rollout)} | _agent_names(config.data)):
+        try:
+            agent_loop_class(name)
+        except KeyError:
+            problems.append(
+                f"agent loop {name!r} (rollout.agent or the data's agent_name column) is not registered; "
+                f"registered: {registered_agent_loops()}"
+            )
+        except (ImportError, AttributeError, TypeError) as error:
+            problems.append(f"agent loop {name!r} does not load: {type(error).__name__}: {error}")
     return problems
+
+
+def _agent_names(data_cfg) -> set[str]:
+    """The values of the ``agent_name`` column of the train and val files (empty when absent)."""
+    import pyarrow.parquet as pq
+
+    names: set[str] = set()
+    for key in ("train_files", "val_files"):
+        files = data_cfg.get(key)
+        for path in [files] if isinstance(files, str) else list(files or []):
+            path = os.path.expanduser(str(path))
+            if os.path.isfile(path) and "agent_name" in pq.read_schema(path).names:
+                column = pq.read_table(path, columns=["agent_name"]).column("agent_name").to_pylist()
+                names.update(str(name) for name in column if name)
+    return names
 
 
 TIMEOUT_KEYS = (

@@ -42,11 +42,6 @@ LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
         "sequence parallelism is not implemented; set 1",
     ),
     "actor_rollout_ref.ref.use_torch_compile": ((False,), "nothing is torch.compile'd here; set false"),
-    "actor_rollout_ref.rollout.mode": (
-        ("sync",),
-        "the async (agent-loop server) rollout is not implemented; multi-turn tool use runs in sync mode "
-        "(rollout.multi_turn.enable=true)",
-    ),
     "critic.ulysses_sequence_parallel_size": ((1,), "sequence parallelism is not implemented; set 1"),
     "reward_model.launch_reward_fn_async": (
         (False,),

@@ -89,6 +89,7 @@ class RayPPOTrainer:
         self.log_prob_parity = LogProbParity()
         self.old_log_probs_from_update = update_computes_old_log_probs(config)
         self.concurrent_phases = bool(config.trainer.get("concurrent_phases", True))
+        self.rollout_manager = None  # rollout.mode=async: the agent loops' servers and workers
         self.rollout_backend = str(config.actor_rollout_ref.rollout.name)
         self.log_prob_gap_limit = gap_limit(config.actor_rollout_ref.rollout, computes_in_fp32(config))
 
@@ -100,6 +101,16 @@ class RayPPOTrainer:
         self.wg.init_models(total_training_steps=self.total_training_steps)
         for line in self.wg.describe():
             print(f"hybridflow: {line}", flush=True)
+        if self.config.actor_rollout_ref.rollout.get("mode", "sync") == "async":
+            from hybridflow.workers.rollout.agent_loop.manager import AgentLoopManager
+
+            self.rollout_manager = AgentLoopManager(self.config, self.wg.actor_rollout)
+
+    @property
+    def rollout(self):
+        """What ``generate_sequences`` goes to: the agent-loop manager (``rollout.mode=async``) or the
+        actor/rollout worker group (sync)."""
+        return self.rollout_manager if self.rollout_manager is not None else self.wg.actor_rollout
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
@@ -201,8 +212,8 @@ class RayPPOTrainer:
         """Prompts (B) → B x n rows of prompt + response; rows of one prompt share a ``uid``.
         Sampling follows the rollout config (``do_sample=false``: greedy)."""
         n = int(self.config.actor_rollout_ref.rollout.n)
-        meta = {"global_steps": self.global_steps}
-        return rollout_with_uids(self.wg.actor_rollout, prompts, n, meta, timing, metrics)
+        meta = {"global_steps": self.global_steps, "epoch": int(prompts.meta_info.get("epoch", 0))}
+        return rollout_with_uids(self.rollout, prompts, n, meta, timing, metrics)
 
     def greedy_reward_baselines(self, prompts: DataProto, timing: dict, metrics: dict) -> torch.Tensor:
         """``reward_baselines`` (B x n,): the sequence reward of one greedy response per prompt
@@ -213,14 +224,16 @@ class RayPPOTrainer:
             # B prompts need not divide the workers (B x n does): pad for the dispatch
             meta = {"global_steps": self.global_steps, "do_sample": False, AUTO_PADDING_KEY: True}
             # a copy of the prompts: rollout_with_uids tags them with uids
-            greedy = rollout_with_uids(self.wg.actor_rollout, prompts.select(), 1, meta, timing, metrics)
+            greedy = rollout_with_uids(self.rollout, prompts.select(), 1, meta, timing, metrics)
             greedy = self.compute_reward(greedy, {}, timing={})
         baselines = greedy.batch[keys.TOKEN_LEVEL_SCORES].sum(dim=-1)
         return baselines.repeat_interleave(int(self.config.actor_rollout_ref.rollout.n))
 
     def compute_reward(self, batch: DataProto, metrics: dict, timing: dict) -> DataProto:
-        """``token_level_scores`` (B, T_r): reward-model scores and/or the rule reward function."""
-        run_phases([self.reward_phase(batch)], timing, concurrent=False)
+        """``token_level_scores`` (B, T_r): reward-model scores and/or the rule reward function (not again
+        when the agent loops scored each sample as it finished)."""
+        if keys.TOKEN_LEVEL_SCORES not in batch.batch.keys():
+            run_phases([self.reward_phase(batch)], timing, concurrent=False)
         return batch
 
     def reward_phase(self, batch: DataProto) -> Phase:
@@ -409,10 +422,12 @@ class RayPPOTrainer:
                 progress.total = self.global_steps
 
     def _batches(self):
-        """Training batches across epochs, resuming mid-epoch from the loader's state."""
+        """Training batches across epochs, resuming mid-epoch from the loader's state; each carries its
+        epoch (the samples' sampling streams depend on it)."""
         while True:
+            epoch = int(getattr(self.train_dataloader, "epoch", 0))
             for batch_dict in self.train_dataloader:
-                yield DataProto.from_single_dict(batch_dict)
+                yield DataProto.from_single_dict(batch_dict, meta_info={"epoch": epoch})
 
     def _save_on_preempt(self) -> bool:
         return self.stop.requested and bool(self.config.trainer.get("save_on_preempt", True))

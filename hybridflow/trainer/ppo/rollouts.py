@@ -24,10 +24,11 @@ def rollout_with_uids(
     uids = [str(uuid.uuid4()) for _ in range(len(prompts))]
     prompts.non_tensor_batch[keys.UID] = np.array(uids, dtype=object)
     prompts = prompts.repeat(n, interleave=True)
-    tools_kwargs = [key for key in ("tools_kwargs",) if key in prompts.non_tensor_batch]  # multi-turn tools
-    gen_input = prompts.select(
-        batch_keys=PROMPT_INPUT_KEYS, non_tensor_batch_keys=tools_kwargs, meta_info_keys=[]
-    )
+    if getattr(actor_rollout, "needs_all_fields", False):  # agent loops read the samples' dataset fields
+        fields = list(prompts.non_tensor_batch)
+    else:  # rollout workers: the prompt, multi-turn tools, and the dataset index (the sampling streams)
+        fields = [key for key in ("tools_kwargs", "index") if key in prompts.non_tensor_batch]
+    gen_input = prompts.select(batch_keys=PROMPT_INPUT_KEYS, non_tensor_batch_keys=fields, meta_info_keys=[])
     gen_input.meta_info = dict(meta_info)
     with marked_timer("generate_call", timing):  # the driver's wall for the call (dispatch included)
         output = actor_rollout.generate_sequences(gen_input)
@@ -37,4 +38,8 @@ def rollout_with_uids(
         elif metrics is not None:  # e.g. perf/update_weights_peak_extra_mb: the worst rank
             metrics[key] = max(values)
     prompts.pop(batch_keys=PROMPT_INPUT_KEYS)
+    output.meta_info.pop("partial_outputs", None)  # aborted samples are the asynchronous trainer's business
+    for key in list(output.non_tensor_batch):
+        if key in prompts.non_tensor_batch:  # the agent loops' copy of a field the driver kept
+            output.non_tensor_batch.pop(key)
     return prompts.union(output)

@@ -26,7 +26,7 @@ def run_validation(trainer) -> dict[str, float]:
     texts: dict[str, list] = {"inputs": [], "outputs": [], "gts": []}  # log_val_generations, dumps
     for batch_dict in trainer.val_dataloader:
         batch = rollout_with_uids(
-            trainer.wg.actor_rollout,
+            trainer.rollout,
             DataProto.from_single_dict(batch_dict),
             int(val_kwargs.n),
             meta,

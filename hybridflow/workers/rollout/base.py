@@ -67,6 +67,28 @@ def generation_seed(base_seed: int, step: int, rank: int) -> int:
     return (int(base_seed) * 1_000_003 + int(step) * 7_919 + int(rank)) % (2**31 - 1)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def sample_seed(base_seed: int, epoch: int, index: int, validate: bool = False) -> int:
+    """The seed of one prompt's sampling streams: a function of (``rollout.seed``, the epoch, the
+    prompt's dataset index) only. Its k-th sample draws from stream (seed, k) (``SamplingParams.seed``
+    and ``seed_sample``) — never from anything of the batch it shares, the rank or replica it lands on,
+    or the step — so a sample draws the same tokens whichever way the batch is split, served or resumed.
+    Validation draws from streams of its own."""
+    x = int(base_seed) & _MASK64
+    for value in (int(epoch), int(index), int(bool(validate))):
+        x = _splitmix64(x ^ _splitmix64(value & _MASK64))
+    return x & 0x7FFFFFFF
+
+
 def sampling_params(config, meta_info: dict) -> dict:
     """Effective sampling settings: ``val_kwargs`` when validating, greedy when ``do_sample`` is off."""
     source = config.val_kwargs if meta_info.get("validate", False) else config

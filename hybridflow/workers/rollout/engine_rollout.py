@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import os
 import time
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from hybridflow.workers.rollout.base import (
     completions_output,
     generation_seed,
     register_rollout,
+    sample_seed,
     sampling_params,
 )
 from hybridflow.workers.rollout.engine import EngineModel, LLMEngine, SamplingParams
@@ -110,11 +112,11 @@ def build_llm_engine(model: EngineModel, config, eos_token_ids=(), share: int = 
     )
 
 
-def call_cache_size(groups: list[tuple[list[int], int]], params: SamplingParams) -> tuple[int, int]:
-    """``(rows, length)`` of KV cache that one call over ``(prompt, n)`` groups can use: every sample
-    at once, each as long as the longest prompt plus ``max_new_tokens``."""
-    rows = sum(n for _, n in groups)
-    return rows, max(len(prompt) for prompt, _ in groups) + int(params.max_new_tokens)
+def call_cache_size(groups: list[tuple], params: SamplingParams) -> tuple[int, int]:
+    """``(rows, length)`` of KV cache that one call over ``(prompt, n[, params])`` groups can use: every
+    sample at once, each as long as the longest prompt plus ``max_new_tokens``."""
+    rows = sum(group[1] for group in groups)
+    return rows, max(len(group[0]) for group in groups) + int(params.max_new_tokens)
 
 
 def engine_sampling_params(config, meta: dict, eos_ids: list[int]) -> SamplingParams:
@@ -136,6 +138,51 @@ def unpadded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list
     return [
         [t for t, m in zip(ids, mask, strict=True) if m]
         for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True)
+    ]
+
+
+def request_groups(
+    prompts: DataProto, params: SamplingParams, base_seed
+) -> list[tuple[list[int], int, SamplingParams]]:
+    """``(prompt ids, n, params)`` per run of neighbouring rows of one prompt (and one dataset ``index``).
+    With the dataset index in the batch (and sampling on), each group draws from its prompt's own
+    streams (:func:`~hybridflow.workers.rollout.base.sample_seed` of rollout.seed, the batch's epoch and
+    the index; sample k from stream k), so what a sample draws does not depend on the batch or the rank."""
+    rows = unpadded_rows(prompts.batch[keys.INPUT_IDS], prompts.batch[keys.ATTENTION_MASK])
+    index = prompts.non_tensor_batch.get("index")
+    runs: list[list] = []
+    for row, prompt in enumerate(rows):
+        key = None if index is None else index[row]
+        if runs and runs[-1][0] == prompt and runs[-1][2] == key:
+            runs[-1][1] += 1
+        else:
+            runs.append([prompt, 1, key])
+    seeded = index is not None and base_seed is not None and not params.greedy
+    meta = prompts.meta_info
+    return [
+        (
+            prompt,
+            n,
+            replace(
+                params,
+                seed=sample_seed(
+                    int(base_seed), int(meta.get("epoch", 0)), int(key), bool(meta.get("validate"))
+                ),
+            )
+            if seeded
+            else params,
+        )
+        for prompt, n, key in runs
+    ]
+
+
+def row_params(groups: list[tuple[list[int], int, SamplingParams]]) -> list[SamplingParams]:
+    """One params per row of :func:`request_groups`' groups: a seeded group's k-th row draws from
+    stream k (``seed_sample``), as its k-th sample would in one request."""
+    return [
+        replace(params, seed_sample=k) if params.seed is not None else params
+        for _, n, params in groups
+        for k in range(n)
     ]
 
 
@@ -255,7 +302,7 @@ class EngineRollout(BaseRollout):
         return output
 
     def _generate_single_turn(self, prompts: DataProto, params: SamplingParams, eos_ids, pad_id) -> DataProto:
-        groups = prompt_groups(prompts.batch[keys.INPUT_IDS], prompts.batch[keys.ATTENTION_MASK])
+        groups = request_groups(prompts, params, self.config.get("seed", 0))
         threads = decode_shards(
             self.config.get("decode_threads"), self.model.device, len(groups), not self.model.shard.parallel
         )
@@ -268,7 +315,9 @@ class EngineRollout(BaseRollout):
                 completions = generate_threaded(engines, groups, params, self._call_seed)
         else:
             with self._kv_cache(sizes=[call_cache_size(groups, params)]):
-                requests = [self.engine.add_request(prompt, params, n) for prompt, n in groups]
+                requests = [
+                    self.engine.add_request(prompt, group_params, n) for prompt, n, group_params in groups
+                ]
                 while self.engine.has_unfinished():
                     self.engine.step()
             completions = [c for r in requests for c in r.completions]
@@ -292,8 +341,9 @@ class EngineRollout(BaseRollout):
         rows = unpadded_rows(prompts.batch[keys.INPUT_IDS], prompts.batch[keys.ATTENTION_MASK])
         tools_kwargs = prompts.non_tensor_batch.get("tools_kwargs")
         kwargs = [tools_kwargs[i] if tools_kwargs is not None else None for i in range(len(rows))]
+        per_row = row_params(request_groups(prompts, params, self.config.get("seed", 0)))
         with self._kv_cache():
-            convs = asyncio.run(self._agent_loop.run_batch(rows, [params] * len(rows), kwargs))
+            convs = asyncio.run(self._agent_loop.run_batch(rows, per_row, kwargs))
         return assemble_conversations(
             prompts,
             convs,

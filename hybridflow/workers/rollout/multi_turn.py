@@ -198,9 +198,8 @@ class ToolAgentLoop:
                 conv.finish_reason = "length"
                 return
             conv.state = TurnState.RUNNING
-            result = await self.engine.generate(
-                conv.prompt_ids + conv.response_ids, replace(params, max_new_tokens=budget)
-            )
+            turn_params = replace(params, max_new_tokens=budget, seed_position=len(conv.response_ids))
+            result = await self.engine.generate(conv.prompt_ids + conv.response_ids, turn_params)
             turn = result.completions[0]
             conv.append(turn.token_ids, generated=True, log_probs=turn.log_probs)
             conv.assistant_turns += 1
@@ -209,7 +208,7 @@ class ToolAgentLoop:
                 _, calls, errors = self.parser.parse(text)
             else:  # a long message: keep the event loop (other conversations) moving meanwhile
                 _, calls, errors = await asyncio.to_thread(self.parser.parse, text)
-            if turn.finish_reason == "length" or not (calls or errors):
+            if turn.finish_reason in ("length", "abort") or not (calls or errors):
                 conv.finish_reason = turn.finish_reason
                 return
             if limits.max_assistant_turns and conv.assistant_turns >= limits.max_assistant_turns:

@@ -20,7 +20,7 @@ import torch
 
 from hybridflow.workers.rollout.engine.kv_cache import KVCache
 from hybridflow.workers.rollout.engine.model import EngineModel
-from hybridflow.workers.rollout.engine.sampling import SamplingParams, choose_tokens
+from hybridflow.workers.rollout.engine.sampling import SamplingParams, choose_tokens, seeded_uniforms
 
 
 @dataclass
@@ -174,9 +174,29 @@ class LLMEngine:
         self.cache.allocate(rows, length)
 
     # ------------------------------------------------------------------ scheduling
-    def step(self) -> list[_Request]:
+    def abort(self, request_id: str) -> GenerationResult | None:
+        """End ``request_id`` now: each unfinished sample keeps the tokens (and log-probs) generated so
+        far, with ``finish_reason="abort"``; its cache slots are freed. None when no such request runs."""
+        request = next((r for r in self._waiting if r.request_id == request_id), None)
+        if request is not None:
+            self._waiting.remove(request)
+        for seq in self._running:
+            if seq.request.request_id == request_id and seq.pending != -2:
+                request = seq.request
+                request.completions[seq.index] = Completion(seq.token_ids, seq.log_probs, "abort")
+                seq.pending = -2  # retired: _compact frees its slot
+        if request is None:
+            return None
+        self._compact()
+        request.completions = [c or Completion([], [], "abort") for c in request.completions]
+        result = request.result()
+        if request.future is not None and not request.future.done():
+            request.future.set_result(result)
+        return result
+
+    def step(self) -> list[GenerationResult]:
         """Admit and prefill waiting requests, then decode one token per running sequence.
-        Returns the requests that finished in this step."""
+        Returns the results of the requests that finished in this step."""
         if not self.cache.allocated:
             raise RuntimeError("the KV cache is released; call resume() before generating")
         finished: list[_Request] = []
@@ -187,10 +207,11 @@ class LLMEngine:
         if self._running:
             self._decode(finished)
             self._compact()
-        for request in finished:
+        results = [request.result() for request in finished]
+        for request, result in zip(finished, results, strict=True):
             if request.future is not None and not request.future.done():
-                request.future.set_result(request.result())
-        return finished
+                request.future.set_result(result)
+        return results
 
     def _admit(self) -> list[_Request]:
         free = self.cache.num_slots - len(self._running)
@@ -272,15 +293,39 @@ class LLMEngine:
         for row, seq in enumerate(seqs):
             groups.setdefault(seq.request.params.choice_key(), []).append(row)
         if len(groups) == 1:
-            return choose_tokens(logits, seqs[0].request.params, self.generator)
+            params = seqs[0].request.params
+            return choose_tokens(logits, params, self.generator, self._uniforms(seqs, params))
         tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
         log_probs = torch.empty(len(seqs), dtype=torch.float32, device=logits.device)
         for rows in groups.values():
             index = torch.tensor(rows, device=logits.device)
-            tokens[index], log_probs[index] = choose_tokens(
-                logits[index], seqs[rows[0]].request.params, self.generator
-            )
+            params = seqs[rows[0]].request.params
+            uniforms = self._uniforms([seqs[row] for row in rows], params)
+            tokens[index], log_probs[index] = choose_tokens(logits[index], params, self.generator, uniforms)
         return tokens, log_probs
+
+    def _uniforms(self, seqs: list[_Sequence], params: SamplingParams) -> torch.Tensor | None:
+        """Each row's draw when any row samples from a seeded stream (see :mod:`.sampling`): seeded rows
+        from (seed, sample index, position), the others from the engine's generator. None when no row
+        is seeded (or the rows are greedy): :func:`choose_tokens` draws from the generator itself."""
+        seeded = [seq.request.params.seed is not None for seq in seqs]
+        if params.greedy or not any(seeded):
+            return None
+        uniforms = (
+            1.0 - torch.rand(len(seqs), generator=self.generator, device=self.generator.device).double()
+        )
+        rows = [row for row, is_seeded in enumerate(seeded) if is_seeded]
+        values = [
+            (
+                seqs[r].request.params.seed,
+                seqs[r].request.params.seed_sample + seqs[r].index,
+                seqs[r].request.params.seed_position + len(seqs[r].token_ids),
+            )
+            for r in rows
+        ]
+        seeds, samples, positions = torch.tensor(values, dtype=torch.long).T
+        uniforms[torch.tensor(rows)] = seeded_uniforms(seeds, samples, positions).to(uniforms.device)
+        return uniforms
 
     def _compact(self) -> None:
         """Drop retired sequences and move tail survivors into their slots, keeping rows 0..B-1 packed."""

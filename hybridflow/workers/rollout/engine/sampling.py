@@ -3,6 +3,13 @@
 Log-probs reported for a sampled token are ``log_softmax(logits / temperature)`` over the full
 vocabulary — the quantity the actor recomputes as ``old_log_probs`` (top-k/top-p only restrict which
 tokens can be drawn). Greedy rows report ``log_softmax(logits)``.
+
+**Seeded samples.** A request with ``SamplingParams.seed`` draws its i-th sample's token at response
+position t from a uniform that is a hash of (seed, seed_sample + i, seed_position + t) alone
+(:func:`seeded_uniforms`): counter-based,
+so what a sample draws never depends on which other requests share the batch, on the order they
+arrived, or on how many steps ran before — and a sample resumed at position t (``seed_position``)
+continues the stream it would have drawn uninterrupted. Unseeded requests use the engine's generator.
 """
 
 from __future__ import annotations
@@ -27,6 +34,11 @@ class SamplingParams:
     # (this sequence's generated ids, its logits (V,)) -> logits: constrains or scripts generation;
     # reported log-probs are then those of the processed logits
     logits_processor: Callable[[list[int], torch.Tensor], torch.Tensor] | None = None
+    seed: int | None = (
+        None  # sample i draws from the stream (seed, seed_sample + i); None: the engine's generator
+    )
+    seed_sample: int = 0  # the stream number of this request's first sample (its place in the prompt's group)
+    seed_position: int = 0  # the stream position of this request's first new token (a resumed sample's)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -46,9 +58,13 @@ class SamplingParams:
 
 
 def choose_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (B, V) fp32 → (tokens (B,), log-probs (B,)) for rows that share ``params``."""
+    """logits (B, V) fp32 → (tokens (B,), log-probs (B,)) for rows that share ``params``.
+    ``uniforms`` (B,) in (0, 1]: the rows' draws (seeded samples), else taken from ``generator``."""
     if params.greedy:
         tokens = logits.argmax(dim=-1)
         return tokens, _token_log_probs(logits, tokens)
@@ -58,20 +74,48 @@ def choose_tokens(
         probs = torch.softmax(_top_k_top_p(scaled, params.top_k, params.top_p), dim=-1)
     else:
         probs = log_probs.exp()
-    tokens = sample_from_probs(probs, generator)
+    tokens = sample_from_probs(probs, generator, uniforms)
     return tokens, log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
-def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def sample_from_probs(
+    probs: torch.Tensor, generator: torch.Generator | None, uniforms: torch.Tensor | None = None
+) -> torch.Tensor:
     """One draw per row by inverting the CDF with a single uniform per row (``probs`` is consumed).
 
     ``torch.multinomial`` draws an exponential variate per vocabulary entry (B x V random numbers,
     ~200 ms per step at B=256, V=32k on one core); this needs B. ``u`` lies in (0, 1], so a token
-    of zero probability (filtered out) can never be chosen."""
+    of zero probability (filtered out) can never be chosen. ``uniforms`` (B,): given draws."""
     cdf = probs.cumsum_(dim=-1)
-    u = 1.0 - torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device)
+    if uniforms is None:
+        u = 1.0 - torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device)
+    else:
+        u = uniforms.to(device=cdf.device, dtype=cdf.dtype).unsqueeze(1)
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1)
     return tokens.clamp_(max=cdf.shape[-1] - 1)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash on int64 tensors holding values below 2**32 (each multiplier is below
+    2**31, so no product overflows int64)."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def seeded_uniforms(seeds: torch.Tensor, samples: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1] (float64, 53 random bits) that depend only on each row's (seed, sample index,
+    stream position): int64 tensors (B,). The same triple gives the same number on any device, in any
+    batch."""
+    key = _mix32((seeds & _MASK32) ^ _mix32(samples & _MASK32))
+    key = _mix32(key ^ _mix32((positions & _MASK32) + 0x9E3779B))
+    high = _mix32(key ^ 0x2545F49)  # two 32-bit words -> 32 + 21 = 53 random bits
+    low = _mix32(key ^ 0x5851F42)
+    value = high.double() * 2.0**21 + (low >> 11).double()  # in [0, 2**53)
+    return (value + 1.0) / 2.0**53
 
 
 def _token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from hybridflow.workers.rollout.engine.sampling import SamplingParams
 
 def split_groups(groups: list[tuple[list[int], int]], shards: int) -> list[list[tuple[list[int], int]]]:
     """Contiguous shards of ``(prompt, n)`` groups with as equal row counts as whole groups allow."""
-    total = sum(n for _, n in groups)
+    total = sum(group[1] for group in groups)
     out: list[list[tuple[list[int], int]]] = [[] for _ in range(shards)]
     rows, shard = 0, 0
     for group in groups:
@@ -52,7 +52,8 @@ def generate_threaded(
             torch.set_num_threads(1)
             engine = engines[index]
             engine.reseed(seed + index)
-            requests = [engine.add_request(prompt, params, n) for prompt, n in shards[index]]
+            # a group may carry its own params (a seeded sampling stream): (prompt, n[, params])
+            requests = [engine.add_request(g[0], g[2] if len(g) > 2 else params, g[1]) for g in shards[index]]
             while engine.has_unfinished():
                 engine.step()
             results[index] = [c for r in requests for c in r.completions]

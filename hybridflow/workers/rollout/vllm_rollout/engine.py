@@ -142,6 +142,8 @@ class VLLMEngine:
 
         seed = self._seed + self._requests_since_seed * SEED_STRIDE
         self._requests_since_seed += 1
+        if params.seed is not None:  # the samples' own streams (vLLM gives the i-th of n seed + i)
+            seed = int(params.seed) + int(params.seed_sample) + int(params.seed_position) * SEED_STRIDE
         greedy = params.greedy
         return VLLMSamplingParams(
             n=n,
@@ -165,8 +167,8 @@ class VLLMEngine:
     def num_running(self) -> int:
         return len(self._requests)
 
-    def step(self) -> list[str]:
-        """One vLLM engine step; returns the ids of the requests it finished."""
+    def step(self) -> list[GenerationResult]:
+        """One vLLM engine step; returns the results of the requests it finished."""
         finished = []
         for output in self.engine.step():
             owner = self._parts.get(output.request_id)
@@ -182,8 +184,7 @@ class VLLMEngine:
                 if sample.finish_reason is not None:
                     pending.finish[index] = str(sample.finish_reason)
             if pending.done:
-                finished.append(request_id)
-                self._complete(request_id)
+                finished.append(self._complete(request_id))
         self.stats["steps"] += 1
         return finished
 

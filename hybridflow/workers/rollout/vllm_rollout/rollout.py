@@ -36,7 +36,8 @@ from hybridflow.workers.rollout.engine_rollout import (
     engine_dtype,
     engine_max_len,
     engine_sampling_params,
-    prompt_groups,
+    request_groups,
+    row_params,
     unpadded_rows,
 )
 
@@ -166,8 +167,8 @@ class VLLMRollout(BaseRollout):
             if self.multi_turn:
                 output = self._generate_conversations(prompts, params, eos_ids, pad_id)
             else:
-                groups = prompt_groups(prompts.batch[keys.INPUT_IDS], prompts.batch[keys.ATTENTION_MASK])
-                results = self.engine.finish([self.engine.add_request(p, params, n) for p, n in groups])
+                groups = request_groups(prompts, params, self.config.get("seed", 0))
+                results = self.engine.finish([self.engine.add_request(p, g, n) for p, n, g in groups])
                 completions = [c for result in results for c in result.completions]
                 output = completions_output(
                     prompts,
@@ -189,7 +190,8 @@ class VLLMRollout(BaseRollout):
         rows = unpadded_rows(prompts.batch[keys.INPUT_IDS], prompts.batch[keys.ATTENTION_MASK])
         tools_kwargs = prompts.non_tensor_batch.get("tools_kwargs")
         kwargs = [tools_kwargs[i] if tools_kwargs is not None else None for i in range(len(rows))]
-        convs = asyncio.run(self._agent_loop.run_batch(rows, [params] * len(rows), kwargs))
+        per_row = row_params(request_groups(prompts, params, self.config.get("seed", 0)))
+        convs = asyncio.run(self._agent_loop.run_batch(rows, per_row, kwargs))
         return assemble_conversations(
             prompts,
             convs,

@@ -1,0 +1,201 @@
+"""``AgentLoopManager``: generation servers + agent-loop workers behind ``generate_sequences``
+(verl's class; ``actor_rollout_ref.rollout.mode=async``).
+
+Hybrid mode (the trainer's): each actor rank is one replica. Its engine stays in the rank's process and
+shares the actor's weights; the rank's :class:`~hybridflow.workers.rollout.replica.LLMServer` takes the
+requests. One ``generate_sequences`` call:
+
+1. ``rollout_wake_up`` on every rank: the actor's current weights into the engines (in place, as the
+   synchronous rollout does) and the KV caches at full size;
+2. every rank runs ``serve_requests`` against its server (a long call) while the batch, split over
+   ``rollout.agent.num_workers`` :class:`~.worker.AgentLoopWorker` actors, runs one agent loop per
+   sample; requests spread over the replicas one at a time (least in flight, sticky per sample) and
+   each sample is scored as it finishes;
+3. the servers stop, the ranks return from serving and ``rollout_sleep`` frees the KV caches.
+
+A rank whose process dies mid-rollout fails its server: the samples waiting on it raise an error
+naming the replica and the sample, and the call raises instead of hanging. An agent loop that raises
+does the same, naming the loop and the sample.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from hybridflow import keys
+from hybridflow.protocol import DataProto
+
+
+class AgentLoopManager:
+    """``config``: the resolved run config; ``worker_group``: the actor/rollout group (hybrid mode).
+    ``generate_sequences`` has the worker group's contract, so the trainer calls either."""
+
+    needs_all_fields = True  # the loops read the samples' dataset fields (messages, tools_kwargs, ...)
+
+    def __init__(self, config, worker_group) -> None:
+        import ray
+        from omegaconf import OmegaConf
+
+        from hybridflow.workers.rollout.agent_loop.worker import AgentLoopWorker
+        from hybridflow.workers.rollout.replica import LLMServer
+
+        self.config = config
+        self.worker_group = worker_group
+        agent = config.actor_rollout_ref.rollout.get("agent") or {}
+        replicas = worker_group.world_size
+        self.server_names = [f"replica {r} (rank {r})" for r in range(replicas)]
+        server_cls = ray.remote(num_cpus=0, max_concurrency=100_000)(LLMServer)
+        self.servers = [server_cls.remote(name) for name in self.server_names]
+        container = OmegaConf.to_container(config, resolve=True)
+        worker_cls = ray.remote(num_cpus=0, max_concurrency=100_000)(AgentLoopWorker)
+        env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
+        self.workers = [
+            worker_cls.options(runtime_env=env).remote(container, self.servers, self.server_names)
+            for _ in range(int(agent.get("num_workers") or 1))
+        ]
+        self.pad_token_id = None
+
+    # ------------------------------------------------------------------ one batch
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Prompt rows (repeated ``n`` times, with their dataset fields) → the rollout batch."""
+        import ray
+
+        start = time.perf_counter()
+        sync_metrics = self.worker_group.rollout_wake_up()
+        ray.get([server.start_serving.remote() for server in self.servers])
+        serving = self.worker_group.serve_requests_async(self.servers)  # one long call per rank
+        serve_refs = [serving.rank_refs[rank] for rank in sorted(serving.rank_refs)]
+        chunks = prompts.split(_even_sizes(len(prompts), len(self.workers)))
+        refs = [
+            worker.generate_sequences.remote(chunk)
+            for worker, chunk in zip(self.workers, chunks, strict=True)
+            if len(chunk)
+        ]
+        try:
+            outputs = self._wait(refs, serve_refs)
+        finally:
+            ray.get([server.stop_serving.remote() for server in self.servers])
+            served = self._finish_serving(serve_refs)
+            self.worker_group.rollout_sleep()
+        output = concat_rows(outputs)
+        output.meta_info["metrics"] = self._metrics(
+            outputs, output, sync_metrics, served, time.perf_counter() - start
+        )
+        return output
+
+    def _wait(self, refs: list, serve_refs: list) -> list[DataProto]:
+        """The chunks' outputs; a serve loop that ends early (its rank died) fails its server at once, so
+        the samples waiting on it raise instead of hanging."""
+        import ray
+
+        pending, watching = list(refs), dict(zip(serve_refs, range(len(serve_refs)), strict=True))
+        while pending:
+            ready, _ = ray.wait(pending + list(watching), num_returns=1)
+            for ref in ready:
+                if ref in watching:
+                    replica = watching.pop(ref)
+                    ray.get(self.servers[replica].fail.remote(self._serve_failure(ref, replica)))
+                else:
+                    pending.remove(ref)
+        return ray.get(refs)
+
+    def _finish_serving(self, serve_refs: list) -> list[dict]:
+        """Each rank's serve statistics (an error in place of a rank that died)."""
+        import ray
+
+        stats = []
+        for replica, ref in enumerate(serve_refs):
+            try:
+                stats.append(ray.get(ref))
+            except Exception as error:  # the rollout's own error (raised above) says more
+                stats.append({"error": f"{self.server_names[replica]}: {type(error).__name__}"})
+        return stats
+
+    def _serve_failure(self, ref, replica: int) -> str:
+        """Why a rank's serve loop ended early, as its worker group reports it (pid, node)."""
+        try:
+            self.worker_group._get_one(ref, replica, "serve_requests")
+        except Exception as error:
+            return f"its engine process failed mid-rollout: {str(error).splitlines()[0][:400]}"
+        return "its serve loop ended before the rollout did"
+
+    def abort_all(self) -> int:
+        """Abort every request in flight on every replica (partial rollout); returns how many."""
+        import ray
+
+        return sum(ray.get([server.abort_all.remote() for server in self.servers]))
+
+    def shutdown(self) -> None:
+        import ray
+
+        for actor in [*self.workers, *self.servers]:
+            ray.kill(actor)
+
+    # ------------------------------------------------------------------ metrics
+    def _metrics(self, outputs, output: DataProto, sync_metrics, served: list[dict], seconds: float) -> dict:
+        """verl's ``agent_loop/*`` metrics (as one-element lists, the rollout metrics' shape)."""
+        per_sample = [m for out in outputs for m in out.meta_info.pop("metrics")]
+        generate = np.array([m["generate_sequences"] for m in per_sample])
+        tools = np.array([m["tool_calls"] for m in per_sample])
+        preempted = np.array([m["num_preempted"] for m in per_sample])
+        metrics: dict[str, list] = {"generate_sequences": [seconds]}
+        for name, values in (
+            ("generate_sequences", generate),
+            ("tool_calls", tools),
+            ("num_preempted", preempted),
+        ):
+            for stat in ("min", "max", "mean"):
+                metrics[f"agent_loop/{name}/{stat}"] = [float(getattr(values, stat)())]
+        slowest = int(np.argmax(generate + tools))
+        prompt_width = output.batch[keys.PROMPTS].shape[1]
+        mask = output.batch[keys.ATTENTION_MASK][slowest]
+        metrics["agent_loop/slowest/generate_sequences"] = [float(generate[slowest])]
+        metrics["agent_loop/slowest/tool_calls"] = [float(tools[slowest])]
+        metrics["agent_loop/slowest/prompt_length"] = [float(mask[:prompt_width].sum())]
+        metrics["agent_loop/slowest/response_length"] = [float(mask[prompt_width:].sum())]
+        metrics["agent_loop/slowest/num_preempted"] = [float(preempted[slowest])]
+        requests = [float(s.get("requests", 0)) for s in served]
+        metrics["agent_loop/replica_requests/min"] = [min(requests)]
+        metrics["agent_loop/replica_requests/max"] = [max(requests)]
+        busy = [float(s.get("seconds", 0.0)) for s in served]
+        metrics["agent_loop/replica_serve_s/max"] = [max(busy)]
+        for rank_metrics in sync_metrics:  # the weight sync of each rank (the worst is kept)
+            for key, value in (rank_metrics or {}).items():
+                metrics.setdefault(key, []).append(value)
+        return metrics
+
+
+def _even_sizes(rows: int, parts: int) -> list[int]:
+    base, extra = divmod(rows, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def concat_rows(outputs: list[DataProto]) -> DataProto:
+    """Concatenate chunk outputs whose prompt widths may differ (a loop may lengthen its prompt): each
+    is left-padded to the widest first. Partial outputs are re-keyed by their row in the whole batch."""
+    width = max(out.batch[keys.PROMPTS].shape[1] for out in outputs)
+    partials, offset = {}, 0
+    for out in outputs:
+        for row, partial in out.meta_info.pop("partial_outputs", {}).items():
+            partials[offset + row] = partial
+        offset += len(out)
+        left_pad_prompts(out, width)
+    merged = DataProto.concat(outputs)
+    merged.meta_info["partial_outputs"] = partials
+    return merged
+
+
+def left_pad_prompts(data: DataProto, width: int, pad_id: int = 0) -> None:
+    """Widen the prompt part of a rollout batch to ``width`` columns by left padding (in place)."""
+    extra = width - data.batch[keys.PROMPTS].shape[1]
+    if extra <= 0:
+        return
+    rows = len(data)
+    for key in (keys.PROMPTS, keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS):
+        tensor = data.batch[key]
+        fill = pad_id if key in (keys.PROMPTS, keys.INPUT_IDS) else 0
+        pad = torch.full((rows, extra), fill, dtype=tensor.dtype, device=tensor.device)
+        data.batch[key] = torch.cat([pad, tensor], dim=1)

@@ -1,0 +1,110 @@
+"""The agent loops' view of the generation servers (verl's ``AsyncLLMServerManager``).
+
+- **Sticky sessions**: every call with the same ``request_id`` (one sample's turns) goes to the same
+  replica, whose prefix cache (vLLM) or KV (the next turn's prompt is the last turn's) it can reuse;
+  the map is an LRU of ``max_cache_size`` ids.
+- **Least in flight**: a new ``request_id`` goes to the replica with the fewest requests in flight
+  from this manager (ties: the fewest sent so far), so a replica that drew long samples gets no more
+  until it catches up — the balance a static split across ranks cannot give.
+- **No hang**: a call that takes longer than ``rollout.agent.generate_timeout_s`` raises
+  :class:`~hybridflow.workers.rollout.replica.ReplicaError` naming the replica and the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+from hybridflow.workers.rollout.replica import ReplicaError, TokenOutput
+
+
+class AsyncLLMServerManager:
+    """``server_handles``: the replicas' :class:`~hybridflow.workers.rollout.replica.LLMServer` actor
+    handles; ``names``: how messages name them."""
+
+    def __init__(
+        self,
+        config,
+        server_handles: list,
+        max_cache_size: int = 10000,
+        names: list[str] | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        if not server_handles:
+            raise ValueError("AsyncLLMServerManager needs at least one server")
+        self.config = config
+        self.server_handles = list(server_handles)
+        self.names = list(names or [f"replica {i}" for i in range(len(server_handles))])
+        self.timeout_s = timeout_s
+        self.in_flight = [0] * len(server_handles)
+        self.sent = [0] * len(server_handles)
+        self.max_cache_size = int(max_cache_size)
+        self._sticky: OrderedDict[str, int] = OrderedDict()
+        self._calls: dict[str, tuple[int, str]] = {}  # request_id -> (replica, call id) in flight
+
+    def _choose_server(self, request_id: str) -> int:
+        if request_id in self._sticky:
+            self._sticky.move_to_end(request_id)
+            return self._sticky[request_id]
+        index = min(range(len(self.server_handles)), key=lambda i: (self.in_flight[i], self.sent[i], i))
+        self._sticky[request_id] = index
+        if len(self._sticky) > self.max_cache_size:
+            self._sticky.popitem(last=False)
+        return index
+
+    async def generate(
+        self,
+        request_id: str,
+        *,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        image_data=None,
+        video_data=None,
+    ) -> TokenOutput:
+        """Generate from ``prompt_ids`` on the replica this ``request_id`` sticks to."""
+        index = self._choose_server(request_id)
+        self.in_flight[index] += 1
+        self.sent[index] += 1
+        call_id = uuid.uuid4().hex  # one id per turn on the server (a sample's turns share request_id)
+        handle = self.server_handles[index]
+        try:
+            pending = handle.generate.remote(
+                call_id,
+                prompt_ids=list(prompt_ids),
+                sampling_params=dict(sampling_params),
+                image_data=image_data,
+                video_data=video_data,
+            )
+            self._calls[request_id] = (index, call_id)
+            return await asyncio.wait_for(_awaitable(pending), self.timeout_s)
+        except TimeoutError:
+            handle.abort.remote(call_id)
+            raise ReplicaError(
+                f"{self.names[index]}: request {request_id} got no answer within "
+                f"rollout.agent.generate_timeout_s={self.timeout_s:g}s"
+            ) from None
+        finally:
+            self.in_flight[index] -= 1
+            self._calls.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort ``request_id``'s call in flight: it returns its tokens so far (``stop_reason="aborted"``)."""
+        call = self._calls.get(request_id)
+        if call is not None:
+            index, call_id = call
+            await _awaitable(self.server_handles[index].abort.remote(call_id))
+
+    def load(self) -> dict[str, float]:
+        """Requests sent per replica (the balance the manager achieved)."""
+        return {name: float(count) for name, count in zip(self.names, self.sent, strict=True)}
+
+
+def _awaitable(ref):
+    """A Ray ObjectRef as an awaitable (Ray refs are awaitable inside an event loop)."""
+
+    async def wait():
+        return await ref
+
+    return wait()

@@ -1,0 +1,89 @@
+"""``single_turn_agent``: one generation per sample (verl's ``SingleTurnAgentLoop``), resumable.
+
+The prompt is the dataset's ``raw_prompt_ids`` (the chat template already applied exactly as the
+synchronous rollout sees it), else ``raw_prompt`` through the chat template. A sample aborted mid-flight
+(partial rollout) returns what it generated with ``extra_fields["is_partial"] = True``; run again with
+``partial_output=<that output>`` it continues from prompt + partial response, drawing from the position
+of its sampling stream where it stopped, so its tokens, masks and log-probs lay out exactly like an
+uninterrupted sample's.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from hybridflow.workers.rollout.agent_loop.base import (
+    AgentLoopBase,
+    AgentLoopMetrics,
+    AgentLoopOutput,
+    register,
+)
+
+
+async def prompt_ids_of(loop: AgentLoopBase, kwargs: dict) -> list[int]:
+    """The sample's prompt ids: ``raw_prompt_ids`` when the dataset gave them, else its messages
+    through the chat template."""
+    if kwargs.get("raw_prompt_ids") is not None:
+        return [int(t) for t in kwargs["raw_prompt_ids"]]
+    if kwargs.get("raw_prompt") is None:
+        raise ValueError("the sample has neither raw_prompt_ids nor raw_prompt (messages)")
+    return await loop.apply_chat_template(list(kwargs["raw_prompt"]))
+
+
+def version_span(extra_fields: dict, version: int | None, tokens: int) -> None:
+    """Record that ``tokens`` response tokens came from weights ``version`` (``weight_versions``:
+    ``[[version, tokens], ...]`` in order)."""
+    if version is None or tokens == 0:
+        return
+    spans = extra_fields.setdefault("weight_versions", [])
+    if spans and spans[-1][0] == version:
+        spans[-1][1] += tokens
+    else:
+        spans.append([int(version), int(tokens)])
+
+
+@register("single_turn_agent")
+class SingleTurnAgentLoop(AgentLoopBase):
+    """One chat completion per sample."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.response_length = int(self.config.actor_rollout_ref.rollout.response_length)
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
+        partial: AgentLoopOutput | None = kwargs.get("partial_output")
+        if partial is not None:
+            prompt_ids = list(partial.prompt_ids)
+            response, log_probs = list(partial.response_ids), list(partial.response_logprobs or [])
+            extra = dict(partial.extra_fields)
+            preempted = max(partial.metrics.num_preempted, 0)
+            spent = partial.metrics.generate_sequences
+        else:
+            prompt_ids = await prompt_ids_of(self, kwargs)
+            response, log_probs, extra, preempted, spent = [], [], {}, 0, 0.0
+        request_id = str(kwargs.get("sample_id") or uuid.uuid4().hex)
+        params = dict(sampling_params)
+        params["max_tokens"] = self.response_length - len(response)
+        if params.get("seed") is not None:
+            params["seed_position"] = len(response)  # continue the sample's own sampling stream
+        start = time.perf_counter()
+        output = await self.server_manager.generate(
+            request_id, prompt_ids=prompt_ids + response, sampling_params=params
+        )
+        spent += time.perf_counter() - start
+        response += output.token_ids
+        log_probs += output.log_probs or [0.0] * len(output.token_ids)
+        version_span(extra, output.weight_version, len(output.token_ids))
+        aborted = output.stop_reason == "aborted"
+        extra["is_partial"] = aborted
+        return AgentLoopOutput(
+            prompt_ids=prompt_ids,
+            response_ids=response[: self.response_length],
+            response_mask=[1] * min(len(response), self.response_length),
+            response_logprobs=log_probs[: self.response_length],
+            num_turns=2,
+            metrics=AgentLoopMetrics(generate_sequences=spent, num_preempted=preempted + int(aborted)),
+            extra_fields=extra,
+        )

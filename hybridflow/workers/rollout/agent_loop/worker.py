@@ -1,0 +1,301 @@
+"""``AgentLoopWorker``: runs a chunk of the batch, one asyncio agent loop per sample (verl's class).
+
+Every sample's loop runs concurrently; each talks to the servers through the worker's
+:class:`~.server_manager.AsyncLLMServerManager`, so the replicas see requests one at a time as the
+loops produce them. As soon as a sample's loop returns it is scored with the run's reward manager
+(the rule reward functions, custom ``compute_score`` and their time limits — in a thread, so the other
+samples keep generating), unless the loop scored itself (``reward_score``) or a reward model is in use
+(the trainer runs it). The chunk comes back as the same DataProto the synchronous rollout gives
+(``responses``, ``response_mask``, ``rollout_log_probs``, prompt + response ``input_ids`` ...), plus
+``token_level_scores`` and the reward extras when scored here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from hybridflow import keys
+from hybridflow.protocol import DataProto
+from hybridflow.workers.rollout.agent_loop import single_turn, tool_agent  # noqa: F401  (register built-ins)
+from hybridflow.workers.rollout.agent_loop.base import (
+    AgentLoopOutput,
+    DictConfigWrap,
+    agent_loop_class,
+    load_agent_loop_configs,
+)
+from hybridflow.workers.rollout.agent_loop.server_manager import AsyncLLMServerManager
+from hybridflow.workers.rollout.base import assemble_output, sample_seed, sampling_params
+
+# extra_fields a loop may return that become per-sample columns (numbers) of the batch
+NUMERIC_EXTRAS = ("tool_calls", "tool_failures", "tool_rewards")
+
+
+class AgentLoopError(RuntimeError):
+    """An agent loop raised for a sample (the message names the loop and the sample)."""
+
+
+def default_agent_loop(rollout_cfg) -> str:
+    """``rollout.agent.default_agent_loop``, or (null) ``tool_agent`` with ``multi_turn.enable`` and
+    ``single_turn_agent`` without."""
+    configured = (rollout_cfg.get("agent") or {}).get("default_agent_loop")
+    if configured:
+        return str(configured)
+    return "tool_agent" if (rollout_cfg.get("multi_turn") or {}).get("enable") else "single_turn_agent"
+
+
+def loop_sampling_params(rollout_cfg, meta: dict) -> dict:
+    """verl's per-call sampling dict from the rollout config (``val_kwargs`` when validating; greedy
+    as temperature 0)."""
+    chosen = sampling_params(rollout_cfg, meta)
+    params = {"temperature": chosen["temperature"], "top_p": chosen["top_p"], "top_k": chosen["top_k"]}
+    params["logprobs"] = bool(rollout_cfg.get("calculate_log_probs", True))
+    return params
+
+
+class AgentLoopWorker:
+    """``config``: the whole run config (a plain dict or DictConfig); ``server_handles`` / ``server_names``:
+    the replicas. Built as a Ray actor by :class:`~.manager.AgentLoopManager`."""
+
+    def __init__(self, config, server_handles: list, server_names: list[str] | None = None) -> None:
+        from hybridflow.models.loading import get_generation_eos_ids, load_tokenizer
+        from hybridflow.workers.model_builder import resolve_local_path
+
+        self.config: DictConfig = config if isinstance(config, DictConfig) else OmegaConf.create(config)
+        rollout = self.config.actor_rollout_ref.rollout
+        agent = rollout.get("agent") or {}
+        model = self.config.actor_rollout_ref.model
+        path = resolve_local_path(model.path)
+        self.tokenizer = load_tokenizer(
+            path,
+            trust_remote_code=bool(model.get("trust_remote_code", False)),
+            custom_chat_template=model.get("custom_chat_template"),
+        )
+        self.eos_token_ids = get_generation_eos_ids(
+            path, trust_remote_code=bool(model.get("trust_remote_code", False))
+        )
+        self.server_manager = AsyncLLMServerManager(
+            self.config, server_handles, names=server_names, timeout_s=agent.get("generate_timeout_s")
+        )
+        load_agent_loop_configs(agent.get("agent_loop_config_path"))
+        self.default_agent_loop = default_agent_loop(rollout)
+        self.reward_fn = self._reward_fn()
+
+    def _reward_fn(self):
+        """The run's reward manager, scoring in the loop; None when a reward model scores (the trainer
+        runs it) or ``rollout.agent.reward_in_loop`` is off."""
+        from hybridflow.workers.reward_manager import build_reward_manager
+
+        agent = self.config.actor_rollout_ref.rollout.get("agent") or {}
+        if self.config.reward_model.get("enable") or not agent.get("reward_in_loop", True):
+            return None
+        return build_reward_manager(
+            self.config.reward_model,
+            self.config.custom_reward_function,
+            self.tokenizer,
+            num_examine=0,
+            max_resp_len=int(self.config.data.max_response_length),
+        )
+
+    # ------------------------------------------------------------------ one chunk
+    async def generate_sequences(self, batch: DataProto) -> DataProto:
+        """Run every row of ``batch`` (prompt rows, already repeated ``n`` times) through its loop."""
+        rollout = self.config.actor_rollout_ref.rollout
+        meta = batch.meta_info
+        params = loop_sampling_params(rollout, meta)
+        rows = len(batch)
+        names = batch.non_tensor_batch.get("agent_name")
+        names = (
+            [str(n) if n else self.default_agent_loop for n in names]
+            if names is not None
+            else [self.default_agent_loop] * rows
+        )
+        seeds = self._seeds(batch, params)
+        partials = meta.get("partial_outputs") or {}
+        tasks = [
+            asyncio.create_task(self._run_row(batch, row, names[row], params, seeds[row], partials.get(row)))
+            for row in range(rows)
+        ]
+        results = await asyncio.gather(*tasks)
+        outputs = [output for output, _ in results]
+        scores = [score for _, score in results]
+        return self._assemble(batch, outputs, scores)
+
+    def _seeds(self, batch: DataProto, params: dict) -> list[dict | None]:
+        """Each row's sampling stream, as ``{seed, seed_sample}``: the prompt's seed (rollout.seed, epoch,
+        its dataset index) and the sample's number within the prompt's group (the rows of one ``uid``);
+        None when greedy or the batch carries no dataset index."""
+        index = batch.non_tensor_batch.get("index")
+        rollout = self.config.actor_rollout_ref.rollout
+        if params["temperature"] == 0 or index is None or rollout.get("seed") is None:
+            return [None] * len(batch)
+        uids = batch.non_tensor_batch.get(keys.UID)
+        streams, sample = [], 0
+        for row in range(len(batch)):
+            same_group = row > 0 and uids is not None and uids[row] == uids[row - 1]
+            sample = sample + 1 if same_group else 0
+            seed = sample_seed(
+                int(rollout.seed),
+                int(batch.meta_info.get("epoch", 0)),
+                int(index[row]),
+                validate=bool(batch.meta_info.get("validate", False)),
+            )
+            streams.append({"seed": seed, "seed_sample": sample})
+        return streams
+
+    async def _run_row(self, batch: DataProto, row: int, name: str, params: dict, seed, partial):
+        fields = {key: value[row] for key, value in batch.non_tensor_batch.items()}
+        sample_params = dict(params) if seed is None else {**params, **seed}
+        uid = fields.get(keys.UID)
+        fields.setdefault("sample_id", f"{uid or uuid.uuid4().hex}-{row}")
+        if partial is not None:
+            fields["partial_output"] = partial
+        try:
+            cls, init_kwargs = agent_loop_class(name)
+            loop = cls(
+                trainer_config=DictConfigWrap(self.config),
+                server_manager=self.server_manager,
+                tokenizer=self.tokenizer,
+                processor=None,
+                dataset_cls=None,
+                dataset_config=DictConfigWrap(self.config.data),
+                eos_token_ids=self.eos_token_ids,
+                **init_kwargs,
+            )
+            output = await loop.run(sample_params, **fields)
+        except Exception as error:
+            where = f"row {row} (dataset index {fields.get('index')}, uid {uid})"
+            raise AgentLoopError(
+                f"agent loop {name!r} failed on {where}: {type(error).__name__}: {error}"
+            ) from error
+        if not isinstance(output, AgentLoopOutput):
+            raise AgentLoopError(
+                f"agent loop {name!r} returned {type(output).__name__}, not AgentLoopOutput (row {row})"
+            )
+        score = None
+        if (
+            output.reward_score is None
+            and self.reward_fn is not None
+            and not output.extra_fields.get("is_partial")
+        ):
+            score = await asyncio.to_thread(self._score, batch, row, output)
+        return output, score
+
+    # ------------------------------------------------------------------ assembling the chunk
+    def _prompt_rows(self, outputs: list[AgentLoopOutput], width: int) -> DataProto:
+        """Left-padded prompt tensors (B, width) of the loops' prompt ids, as the dataset lays them out."""
+        pad = int(self.tokenizer.pad_token_id)
+        width = max(width, *(len(o.prompt_ids) for o in outputs))
+        input_ids = torch.full((len(outputs), width), pad, dtype=torch.long)
+        mask = torch.zeros(len(outputs), width, dtype=torch.long)
+        for row, output in enumerate(outputs):
+            n = len(output.prompt_ids)
+            input_ids[row, width - n :] = torch.tensor(output.prompt_ids, dtype=torch.long)
+            mask[row, width - n :] = 1
+        positions = torch.clamp(torch.cumsum(mask, dim=1) - 1, min=0)
+        return DataProto.from_dict(
+            {keys.INPUT_IDS: input_ids, keys.ATTENTION_MASK: mask, keys.POSITION_IDS: positions}
+        )
+
+    def _rollout_rows(self, batch: DataProto, outputs: list[AgentLoopOutput]) -> DataProto:
+        """The standard rollout output for ``outputs`` (responses cut at ``response_length``)."""
+        length = int(self.config.actor_rollout_ref.rollout.response_length)
+        pad = int(self.tokenizer.pad_token_id)
+        rows = len(outputs)
+        responses = torch.full((rows, length), pad, dtype=torch.long)
+        response_mask = torch.zeros(rows, length, dtype=torch.long)
+        present = torch.zeros(rows, length, dtype=torch.long)
+        log_probs = torch.zeros(rows, length, dtype=torch.float32)
+        for row, output in enumerate(outputs):
+            n = min(len(output.response_ids), length)
+            responses[row, :n] = torch.tensor(output.response_ids[:n], dtype=torch.long)
+            response_mask[row, :n] = torch.tensor(output.response_mask[:n], dtype=torch.long)
+            present[row, :n] = 1
+            if output.response_logprobs:
+                log_probs[row, :n] = torch.tensor(output.response_logprobs[:n], dtype=torch.float32)
+        width = (
+            batch.batch[keys.INPUT_IDS].shape[1]
+            if batch.batch is not None and keys.INPUT_IDS in batch.batch.keys()
+            else 1
+        )
+        with_log_probs = all(o.response_logprobs is not None for o in outputs)
+        return assemble_output(
+            self._prompt_rows(outputs, width),
+            responses,
+            [],
+            pad,
+            log_probs if with_log_probs else None,
+            response_mask=response_mask,
+            response_attention=present,
+        )
+
+    def _score(self, batch: DataProto, row: int, output: AgentLoopOutput) -> tuple[torch.Tensor, dict]:
+        """One sample through the reward manager: (its token-level scores (T_r,), its extras)."""
+        sample = self._rollout_rows(batch, [output])
+        sample.non_tensor_batch = {
+            key: _column([value[row]]) for key, value in batch.non_tensor_batch.items()
+        }
+        sample.non_tensor_batch["__num_turns__"] = np.array([output.num_turns], dtype=np.int64)
+        for key in NUMERIC_EXTRAS:
+            if key in output.extra_fields:
+                sample.non_tensor_batch[key] = np.array([output.extra_fields[key]])
+        result = self.reward_fn(sample, return_dict=True)
+        extras = {
+            key: values[0] for key, values in result.get("reward_extra_info", {}).items() if len(values) == 1
+        }
+        return result["reward_tensor"][0], extras
+
+    def _assemble(self, batch: DataProto, outputs: list[AgentLoopOutput], scores: list) -> DataProto:
+        out = self._rollout_rows(batch, outputs)
+        rows = len(outputs)
+        columns = {
+            "__num_turns__": np.array([o.num_turns for o in outputs], dtype=np.int64),
+            "is_partial": np.array([bool(o.extra_fields.get("is_partial")) for o in outputs], dtype=bool),
+            "weight_versions": _column([o.extra_fields.get("weight_versions", []) for o in outputs]),
+        }
+        for key in NUMERIC_EXTRAS:
+            if any(key in o.extra_fields for o in outputs):
+                columns[key] = np.array([o.extra_fields.get(key, 0) for o in outputs])
+        if (
+            all(s is not None or o.reward_score is not None for s, o in zip(scores, outputs, strict=True))
+            and rows
+        ):
+            token_scores = torch.zeros_like(out.batch[keys.RESPONSE_MASK], dtype=torch.float32)
+            extras: dict[str, list] = {}
+            for row, (score, output) in enumerate(zip(scores, outputs, strict=True)):
+                if score is not None:
+                    token_scores[row], sample_extras = score
+                    for key, value in sample_extras.items():
+                        extras.setdefault(key, [None] * rows)[row] = value
+                else:  # the loop scored itself: its score on the last response token
+                    last = (
+                        int(
+                            out.batch[keys.ATTENTION_MASK][
+                                row, -out.batch[keys.RESPONSE_MASK].shape[1] :
+                            ].sum()
+                        )
+                        - 1
+                    )
+                    token_scores[row, max(last, 0)] = float(output.reward_score)
+            out.batch[keys.TOKEN_LEVEL_SCORES] = token_scores
+            for key, values in extras.items():
+                columns[key] = _column(values)
+            out.meta_info["reward_extra_keys"] = sorted(extras)
+        out.non_tensor_batch.update(columns)
+        out.meta_info["metrics"] = [o.metrics.model_dump() for o in outputs]
+        # aborted samples' outputs, for a later resume (partial rollout): row -> AgentLoopOutput
+        out.meta_info["partial_outputs"] = {
+            r: o for r, o in enumerate(outputs) if o.extra_fields.get("is_partial")
+        }
+        out.meta_info["replica_requests"] = self.server_manager.load()
+        return out
+
+
+def _column(values) -> np.ndarray:
+    column = np.empty(len(values), dtype=object)
+    column[:] = list(values)
+    return column

@@ -1,0 +1,291 @@
+"""Generation server replicas (verl's rollout replicas): requests one at a time, continuously batched.
+
+A replica is one rollout engine (hybridflow's or vLLM) and its front door, :class:`LLMServer`, a small
+async Ray actor. Agent loops call ``await server.generate.remote(request_id, prompt_ids=...,
+sampling_params=...)`` and get a :class:`TokenOutput`; many calls are in flight at once. The engine
+lives where its weights are — in hybrid mode inside the actor's worker process (it shares the actor's
+weights and their in-place sync), in standalone mode in a rollout process of its own — and runs
+:func:`serve_requests` there: one exchange with its server per engine step hands over the requests that
+arrived and the ones that finished, so the engine's running batch always holds every request in flight.
+The worker process stays a plain sequential Ray actor (its collectives keep their order); only the
+server is asynchronous.
+
+Aborts (partial rollout): ``abort(request_id)`` / ``abort_all()`` end requests mid-flight; each returns
+the tokens and log-probs generated so far with ``stop_reason="aborted"``. A replica whose engine process
+dies is failed by its manager (:meth:`LLMServer.fail`): every waiting request raises
+:class:`ReplicaError` naming the replica, none hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+# sampling_params keys a request may carry (verl's names; max_tokens also as max_new_tokens)
+SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "max_new_tokens",
+    "stop_token_ids",
+    "ignore_eos",
+    "do_sample",
+    "seed",
+    "seed_sample",
+    "seed_position",
+    "logprobs",
+    "repetition_penalty",
+)
+
+
+class TokenOutput(BaseModel):
+    """One request's generated tokens (verl's ``TokenOutput``)."""
+
+    token_ids: list[int]
+    log_probs: list[float] | None = None
+    stop_reason: str | None = None  # "completed" (stop token), "length", "aborted"
+    num_preempted: int | None = None
+    weight_version: int | None = None  # the replica's weights when the request finished
+
+
+class ReplicaError(RuntimeError):
+    """A replica could not serve a request (its engine process died, or it refused the request)."""
+
+
+STOP_REASONS = {"stop": "completed", "length": "length", "abort": "aborted"}
+
+
+class LLMServer:
+    """The front door of one replica (a Ray actor with ``num_cpus=0``: it only waits). ``name`` says
+    which replica it is in messages ("replica 1 (rank 1)")."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._queue: deque[tuple[str, list[int], dict]] = deque()
+        self._futures: dict[str, asyncio.Future] = {}
+        self._aborts: set[str] = set()
+        self._wake = asyncio.Event()
+        self._stop = False
+        self._failed: str | None = None
+        self.served = 0
+
+    # ------------------------------------------------------------------ clients (agent loops)
+    async def generate(
+        self,
+        request_id: str,
+        *,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any] | None = None,
+        image_data=None,
+        video_data=None,
+    ) -> TokenOutput:
+        """Generate for ``prompt_ids``; returns when the request finishes or is aborted."""
+        if image_data is not None or video_data is not None:
+            raise ReplicaError(f"{self.name}: multi-modal inputs are not supported")
+        if self._failed is not None:
+            raise ReplicaError(self._failed)
+        if request_id in self._futures:
+            raise ReplicaError(f"{self.name}: request id {request_id!r} is already in flight")
+        unknown = sorted(set(sampling_params or {}) - set(SAMPLING_KEYS))
+        if unknown:
+            raise ReplicaError(
+                f"{self.name}: unknown sampling_params {unknown}; known: {list(SAMPLING_KEYS)}"
+            )
+        future = asyncio.get_running_loop().create_future()
+        self._futures[request_id] = future
+        self._queue.append((request_id, [int(t) for t in prompt_ids], dict(sampling_params or {})))
+        self._wake.set()
+        try:
+            return await future
+        finally:
+            self._futures.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        """End ``request_id``: it returns what it generated so far (``stop_reason="aborted"``)."""
+        if self._drop_queued(request_id):
+            return
+        if request_id in self._futures:
+            self._aborts.add(request_id)
+            self._wake.set()
+
+    async def abort_all(self) -> int:
+        """Abort every request in flight (partial rollout); returns how many there were."""
+        count = len(self._futures)
+        for request_id in list(self._futures):
+            await self.abort(request_id)
+        return count
+
+    def in_flight(self) -> int:
+        return len(self._futures)
+
+    # ------------------------------------------------------------------ the engine side
+    async def exchange(self, finished: list[dict], idle: bool, wait_s: float = 0.5) -> dict:
+        """Called by :func:`serve_requests` once per engine step: ``finished`` outputs in, the new
+        requests, the aborts and whether to stop out. When the engine is ``idle`` this waits up to
+        ``wait_s`` for work."""
+        for output in finished:
+            self._resolve(output)
+        if idle and not (self._queue or self._aborts or self._stop):
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), wait_s)
+            except TimeoutError:
+                pass
+        new = list(self._queue)
+        self._queue.clear()
+        aborts = sorted(self._aborts)
+        self._aborts.clear()
+        return {"new": new, "abort": aborts, "stop": self._stop}
+
+    def _resolve(self, output: dict) -> None:
+        future = self._futures.get(output["request_id"])
+        if future is None or future.done():
+            return
+        if output.get("error"):
+            future.set_exception(ReplicaError(f"{self.name}: {output['error']}"))
+            return
+        self.served += 1
+        future.set_result(
+            TokenOutput(
+                token_ids=output["token_ids"],
+                log_probs=output["log_probs"],
+                stop_reason=STOP_REASONS.get(output["finish_reason"], output["finish_reason"]),
+                weight_version=output.get("weight_version"),
+            )
+        )
+
+    def _drop_queued(self, request_id: str) -> bool:
+        for entry in self._queue:
+            if entry[0] == request_id:
+                self._queue.remove(entry)
+                future = self._futures.get(request_id)
+                if future is not None and not future.done():
+                    future.set_result(TokenOutput(token_ids=[], log_probs=[], stop_reason="aborted"))
+                return True
+        return False
+
+    async def start_serving(self) -> None:
+        """Accept requests again after :meth:`stop_serving` (a new rollout phase)."""
+        self._stop = False
+
+    async def stop_serving(self) -> None:
+        """Let the engine's serve loop return once it holds no request."""
+        self._stop = True
+        self._wake.set()
+
+    async def fail(self, reason: str) -> None:
+        """The engine behind this server is gone: every waiting request raises, new ones too."""
+        self._failed = f"{self.name}: {reason}"
+        for future in self._futures.values():
+            if not future.done():
+                future.set_exception(ReplicaError(self._failed))
+        self._queue.clear()
+
+    async def recover(self) -> None:
+        """Clear a failure (the engine behind was replaced)."""
+        self._failed = None
+
+
+@dataclass
+class ServeStats:
+    """What one serve loop did (returned to the manager for metrics)."""
+
+    requests: int = 0
+    aborted: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+
+def serve_requests(engine, server, defaults, weight_version: int = 0, wait_s: float = 0.5) -> dict:
+    """Serve ``server``'s requests with ``engine`` until it says stop and nothing is in flight.
+
+    ``engine``: :class:`~hybridflow.workers.rollout.engine.LLMEngine` or
+    :class:`~hybridflow.workers.rollout.vllm_rollout.engine.VLLMEngine` (``add_request``, ``step``,
+    ``abort``, ``has_unfinished``); ``defaults``: the rollout's
+    :class:`~hybridflow.workers.rollout.engine.SamplingParams` (stop tokens, response length), which a
+    request's ``sampling_params`` override. Returns :class:`ServeStats` as a dict."""
+    import dataclasses
+
+    import ray
+
+    stats, start = ServeStats(), time.perf_counter()
+    finished: list[dict] = []
+    while True:
+        reply = ray.get(server.exchange.remote(finished, idle=not engine.has_unfinished(), wait_s=wait_s))
+        finished = []
+        for request_id, prompt_ids, sampling in reply["new"]:
+            try:
+                params = request_params(defaults, sampling, len(prompt_ids), engine.max_model_len)
+                engine.add_request(prompt_ids, params, 1, request_id)
+                stats.requests += 1
+            except ValueError as error:  # a bad request fails alone; the replica keeps serving
+                finished.append({"request_id": request_id, "error": str(error)})
+                stats.errors.append(str(error))
+        for request_id in reply["abort"]:
+            result = engine.abort(request_id)
+            if result is not None:
+                stats.aborted += 1
+                finished.append(_output(result, weight_version))
+        if engine.has_unfinished():
+            finished.extend(_output(result, weight_version) for result in engine.step())
+            stats.steps += 1
+        elif reply["stop"] and not finished:
+            break
+    stats.seconds = time.perf_counter() - start
+    return dataclasses.asdict(stats)
+
+
+def request_params(defaults, sampling: dict, prompt_len: int, max_model_len: int):
+    """A request's :class:`SamplingParams`: the rollout's ``defaults`` overridden by verl-style
+    ``sampling`` keys. ``max_tokens`` defaults to the rollout's response length, capped by the room
+    left in ``max_model_len``; ``logprobs`` is accepted (log-probs are always returned)."""
+    from dataclasses import replace
+
+    if float(sampling.get("repetition_penalty", 1.0)) != 1.0:
+        raise ValueError(
+            "repetition_penalty other than 1.0 is not supported (it changes the sampled distribution)"
+        )
+    changes: dict[str, Any] = {}
+    for key in ("temperature", "top_p"):
+        if sampling.get(key) is not None:
+            changes[key] = float(sampling[key])
+    if sampling.get("top_k") is not None:
+        changes["top_k"] = int(sampling["top_k"])
+    for key in ("do_sample", "ignore_eos"):
+        if sampling.get(key) is not None:
+            changes[key] = bool(sampling[key])
+    if sampling.get("stop_token_ids") is not None:
+        changes["stop_token_ids"] = tuple(int(t) for t in sampling["stop_token_ids"])
+    if sampling.get("seed") is not None:
+        changes["seed"] = int(sampling["seed"])
+        changes["seed_sample"] = int(sampling.get("seed_sample") or 0)
+        changes["seed_position"] = int(sampling.get("seed_position") or 0)
+    max_tokens = sampling.get("max_tokens", sampling.get("max_new_tokens"))
+    budget = max_model_len - prompt_len
+    if budget < 1:
+        raise ValueError(
+            f"prompt of {prompt_len} tokens leaves no room to generate within max_model_len={max_model_len}"
+        )
+    wanted = int(max_tokens) if max_tokens is not None else defaults.max_new_tokens
+    if wanted < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {wanted}")
+    changes["max_new_tokens"] = min(wanted, budget)
+    return replace(defaults, **changes)
+
+
+def _output(result, weight_version: int) -> dict:
+    completion = result.completions[0]
+    return {
+        "request_id": result.request_id,
+        "token_ids": list(completion.token_ids),
+        "log_probs": [float(x) for x in completion.log_probs],
+        "finish_reason": completion.finish_reason,
+        "weight_version": weight_version,
+    }
