@@ -199,6 +199,8 @@ def build_dataloaders(config: DictConfig, tokenizer):
     from hybridflow.utils.dataset import RLHFDataset, StatefulDataLoader, collate_fn
 
     data = config.data
+    if config.actor_rollout_ref.rollout.get("mode") == "async":  # agent loops read the messages
+        data = OmegaConf.merge(data, {"return_raw_chat": True})
     dataset_cls = dataset_class(data.get("custom_cls")) or RLHFDataset
     train = dataset_cls(data_files=list(_as_list(data.train_files)), tokenizer=tokenizer, config=data)
     val = dataset_cls(data_files=list(_as_list(data.val_files)), tokenizer=tokenizer, config=data)

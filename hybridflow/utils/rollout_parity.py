@@ -65,7 +65,12 @@ def parity_tolerance(rollout_cfg) -> float:
 
 def gap_limit(rollout_cfg, all_fp32: bool) -> float | None:
     """``rollout.log_prob_gap_limit``, or (null) 1e-2 when rollout and actor both compute in fp32 and
-    1.0 otherwise; a negative value turns the check off (None)."""
+    1.0 otherwise; a negative value turns the check off (None). Off too for greedy training rollouts
+    at a temperature other than 1: their log-probs are the untempered distribution's, the recompute's
+    are not, so the two are not comparable."""
+    greedy = not rollout_cfg.get("do_sample", True) or float(rollout_cfg.get("temperature", 1.0)) == 0
+    if greedy and float(rollout_cfg.get("temperature", 1.0)) != 1.0:
+        return None
     configured = rollout_cfg.get("log_prob_gap_limit")
     if configured is None:
         return GAP_LIMIT_FP32 if all_fp32 else GAP_LIMIT_LOW_PRECISION

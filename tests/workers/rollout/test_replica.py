@@ -1,0 +1,171 @@
+"""Generation server replicas (:mod:`hybridflow.workers.rollout.replica`) and the agent loops' server
+manager, over real engines on the tiny model: each engine is served from a thread of this process (as
+a rank's worker serves it), its front door a real Ray actor."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+import ray
+import torch
+from omegaconf import OmegaConf
+
+from hybridflow.workers.rollout.agent_loop import AsyncLLMServerManager, DictConfigWrap, SingleTurnAgentLoop
+from hybridflow.workers.rollout.engine import EngineModel, LLMEngine, SamplingParams
+from hybridflow.workers.rollout.replica import LLMServer, ReplicaError, serve_requests
+
+MAX_LEN = 96
+
+
+class Replica:
+    """A real engine on the tiny model, served from a thread until :meth:`close`."""
+
+    def __init__(self, model_dir: str, name: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.engine = LLMEngine(
+            EngineModel.from_hf_module(module, MAX_LEN),
+            max_num_seqs=32,
+            max_model_len=MAX_LEN,
+            eos_token_ids=[],
+        )
+        self.server = ray.remote(num_cpus=0, max_concurrency=1000)(LLMServer).remote(name)
+        defaults = SamplingParams(max_new_tokens=16, temperature=1.0)
+        self.stats: dict = {}
+        self.thread = threading.Thread(target=self._serve, args=(defaults,), daemon=True)
+        self.thread.start()
+
+    def _serve(self, defaults) -> None:
+        with torch.no_grad():
+            self.stats = serve_requests(self.engine, self.server, defaults, wait_s=0.05)
+
+    def close(self) -> dict:
+        ray.get(self.server.stop_serving.remote())
+        self.thread.join(timeout=30)
+        return self.stats
+
+
+@pytest.fixture(scope="module")
+def replicas(ray_session, tiny_model_dir):
+    served = [Replica(tiny_model_dir, f"replica {i}") for i in range(2)]
+    yield served
+    for replica in served:
+        replica.close()
+
+
+def _generate(server, request_id, prompt, **sampling):
+    return server.generate.remote(request_id, prompt_ids=prompt, sampling_params=sampling)
+
+
+def _wait_until(condition, timeout_s: float = 20.0) -> None:
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout_s, "condition not reached"
+        time.sleep(0.005)
+
+
+def test_concurrent_requests_share_the_running_batch(replicas):
+    engine, server = replicas[0].engine, replicas[0].server
+    steps_before = engine.stats["decode_steps"]
+    outputs = ray.get(
+        [_generate(server, f"c{i}", [5 + i, 6, 7], max_tokens=16, ignore_eos=True) for i in range(8)]
+    )
+    assert [len(o.token_ids) for o in outputs] == [16] * 8
+    assert all(len(o.log_probs) == 16 and o.stop_reason == "length" for o in outputs)
+    # 8 x 16 tokens one at a time would take 8 x 15 decode steps; batched they take about 15
+    assert engine.stats["decode_steps"] - steps_before < 40
+
+
+def test_abort_returns_the_tokens_so_far(replicas):
+    engine, server = replicas[0].engine, replicas[0].server
+    pending = _generate(server, "long", [9, 10, 11], max_tokens=80, ignore_eos=True)
+    _wait_until(lambda: any(len(s.token_ids) >= 3 for s in list(engine._running)))
+    ray.get(server.abort.remote("long"))
+    output = ray.get(pending)
+    assert output.stop_reason == "aborted"
+    assert 3 <= len(output.token_ids) < 80 and len(output.log_probs) == len(output.token_ids)
+    _wait_until(lambda: not engine.has_unfinished())
+
+
+def test_a_bad_request_fails_alone_and_the_replica_keeps_serving(replicas):
+    server = replicas[0].server
+    with pytest.raises(ReplicaError, match=r"replica 0: prompt of 100 tokens leaves no room"):
+        ray.get(_generate(server, "too-long", list(range(5, 105))))
+    with pytest.raises(ReplicaError, match="unknown sampling_params"):
+        ray.get(_generate(server, "odd", [5, 6], beam_width=4))
+    assert len(ray.get(_generate(server, "fine", [5, 6], max_tokens=4, ignore_eos=True)).token_ids) == 4
+
+
+def test_a_failed_replica_raises_for_every_waiting_request(ray_session):
+    server = ray.remote(num_cpus=0)(LLMServer).remote("replica 7 (rank 7)")  # no engine behind it
+    pending = _generate(server, "stuck", [5, 6])
+    ray.get(server.fail.remote("its engine process died"))
+    for ref in (pending, _generate(server, "later", [5, 6])):
+        with pytest.raises(ReplicaError, match=r"replica 7 \(rank 7\): its engine process died"):
+            ray.get(ref)
+
+
+def test_new_samples_go_to_the_least_busy_replica_and_their_turns_stick(replicas):
+    manager = AsyncLLMServerManager({}, [r.server for r in replicas], names=["replica 0", "replica 1"])
+
+    async def run():
+        first = [
+            manager.generate(
+                f"s{i}", prompt_ids=[5, 6, i], sampling_params={"max_tokens": 12, "ignore_eos": True}
+            )
+            for i in range(6)
+        ]
+        await asyncio.gather(*first)
+        chosen = {f"s{i}": manager._sticky[f"s{i}"] for i in range(6)}
+        await manager.generate(
+            "s0", prompt_ids=[5, 6, 0, 7], sampling_params={"max_tokens": 2}
+        )  # a next turn
+        return chosen
+
+    chosen = asyncio.run(run())
+    assert sorted(chosen.values()) == [0, 0, 0, 1, 1, 1]  # in flight together: spread evenly
+    assert manager._sticky["s0"] == chosen["s0"]
+    assert manager.sent[chosen["s0"]] == 4 and sum(manager.sent) == 7
+
+
+def _single_turn_loop(server_manager, tokenizer):
+    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"response_length": 24}}, "data": {}})
+    return SingleTurnAgentLoop(DictConfigWrap(config), server_manager, tokenizer)
+
+
+def test_a_preempted_sample_resumes_exactly_like_an_uninterrupted_one(replicas, tiny_model_dir):
+    """Partial rollout: abort mid-flight, resume from prompt + partial response — same tokens, masks and
+    log-probs as the sample that ran through (its sampling stream continues where it stopped)."""
+    from hybridflow.models.loading import load_tokenizer
+
+    engine = replicas[1].engine
+    manager = AsyncLLMServerManager({}, [replicas[1].server])
+    tokenizer = load_tokenizer(tiny_model_dir)
+    fields = {"raw_prompt_ids": [5, 6, 7, 8], "sample_id": "whole"}
+    params = {"temperature": 1.0, "seed": 1234, "seed_sample": 1, "ignore_eos": True}
+
+    async def run():
+        whole = await _single_turn_loop(manager, tokenizer).run(params, **fields)
+        task = asyncio.create_task(
+            _single_turn_loop(manager, tokenizer).run(params, **{**fields, "sample_id": "cut"})
+        )
+        await asyncio.to_thread(
+            _wait_until, lambda: any(len(s.token_ids) >= 5 for s in list(engine._running))
+        )
+        await manager.abort("cut")
+        partial = await task
+        resumed = await _single_turn_loop(manager, tokenizer).run(
+            params, **{**fields, "partial_output": partial}
+        )
+        return whole, partial, resumed
+
+    whole, partial, resumed = asyncio.run(run())
+    assert partial.extra_fields["is_partial"] and 5 <= len(partial.response_ids) < 24
+    assert partial.metrics.num_preempted == 1
+    assert not resumed.extra_fields["is_partial"] and resumed.metrics.num_preempted == 1
+    assert resumed.response_ids == whole.response_ids and len(whole.response_ids) == 24
+    assert resumed.response_mask == whole.response_mask == [1] * 24
+    assert resumed.response_logprobs == pytest.approx(whole.response_logprobs, abs=1e-5)
+    assert resumed.prompt_ids == whole.prompt_ids == [5, 6, 7, 8]
