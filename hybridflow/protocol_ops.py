@@ -14,15 +14,15 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import torch
 
 from hybridflow.errors import DataProtoError
 
-if TYPE_CHECKING:
-    from hybridflow.protocol import DataProto
+# A hybridflow.protocol.DataProto (or subclass); not imported, since protocol sits above this module.
+DataProto = Any
 
 __all__ = [
     "fold_batch_dim",
