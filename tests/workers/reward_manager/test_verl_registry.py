@@ -34,3 +34,11 @@ def test_unknown_and_wrong_case_names_are_value_errors_in_verls_words(scratch):
     scratch.clear()
     with pytest.raises(ValueError, match="^Unknown reward manager: naive. Registered: $"):
         registry.get_reward_manager_cls("naive")
+
+
+def test_package_exports_verls_names():
+    import hybridflow.workers.reward_manager as package
+
+    assert (
+        package.register is registry.register and package.REWARD_MANAGER_REGISTRY is registry.REWARD_MANAGERS
+    )
