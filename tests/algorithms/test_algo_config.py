@@ -5,7 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from hybridflow.algorithms.config import AlgoConfig, FilterGroupsConfig, KLControlConfig
+from hybridflow.algorithms.config import (
+    AlgoConfig,
+    FilterGroupsConfig,
+    KLControlConfig,
+    RolloutCorrectionConfig,
+)
 from hybridflow.trainer.config import load_config
 from hybridflow.trainer.ppo.core_algos import compute_grpo_passk_outcome_advantage
 from hybridflow.utils.config import omega_conf_to_dataclass
@@ -22,6 +27,12 @@ def test_defaults_are_verls_and_nested_dicts_become_dataclasses():
     assert cfg.kl_ctrl == KLControlConfig(type="adaptive", target_kl=0.05)
     assert isinstance(cfg.filter_groups, FilterGroupsConfig) and cfg.filter_groups.enable
     assert AlgoConfig().kl_ctrl == KLControlConfig() and AlgoConfig().rollout_correction is None
+    carried = AlgoConfig(rollout_correction={"rollout_is": "token", "rollout_is_threshold": 3.0})
+    assert isinstance(carried.rollout_correction, RolloutCorrectionConfig)
+    assert (
+        carried.rollout_correction.rollout_is_threshold == 3.0
+        and carried.rollout_correction.bypass_mode is False
+    )
 
 
 def test_built_from_our_composed_yaml_through_its_target():

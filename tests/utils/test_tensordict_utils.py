@@ -76,3 +76,11 @@ def test_make_iterator_is_reproducible_and_covers_every_row():
     assert first == again and sorted(first[0] + first[1]) == list(range(6))
     with pytest.raises(ValueError):
         list(tu.make_iterator(td, 4, epochs=1))
+
+
+def test_contiguous_and_unwrap():
+    td = tu.get_tensordict({"x": torch.arange(6).reshape(2, 3).t().t()[:, ::2]}, {"tag": "t"})
+    assert not td["x"].is_contiguous()
+    out = tu.contiguous(td)
+    assert out["x"].is_contiguous() and out["x"].tolist() == [[0, 2], [3, 5]] and tu.get(out, "tag") == "t"
+    assert tu.unwrap_non_tensor_data(NonTensorData(3)) == 3 and tu.unwrap_non_tensor_data(4) == 4
