@@ -8,8 +8,9 @@ The switch (any one of them; see docs/coming_from_verl.md):
 
 ``install()`` puts a finder at the front of ``sys.meta_path``. It answers for ``verl`` and the
 ``verl.…`` names in :data:`MODULE_TABLE` (an explicit map, because our layout differs from verl's in
-places, e.g. ``verl.tools`` lives under ``hybridflow.workers.rollout.tools``); a ``verl.a.b`` that the
-table does not list resolves to ``hybridflow.a.b`` when that module exists, and otherwise is not found.
+places, e.g. ``verl.tools`` lives under ``hybridflow.workers.rollout.tools``, and verl's one
+``agent_loop.py`` is four modules here, searched in order); a ``verl.a.b`` that the table does not
+list resolves to ``hybridflow.a.b`` when that module exists, and otherwise is not found.
 
 Each ``verl.X`` is a thin alias module: reading, setting or deleting an attribute on it acts on the
 hybridflow module behind it, so ``mock.patch("verl.trainer.ppo.metric_utils.f")`` or rebinding
@@ -35,8 +36,11 @@ ENV_SWITCH = "HYBRIDFLOW_VERL_ALIAS"
 ROOT = "verl"
 
 # verl's module path -> ours. Paths that differ from a plain ``verl.`` -> ``hybridflow.`` swap, and the
-# verl modules users import most, are listed here; the test suite checks every target exists.
-MODULE_TABLE: dict[str, str] = {
+# verl modules users import most, are listed here; the test suite checks every target exists. Where
+# one verl module is split over several of ours, the entry is a tuple: names are looked up in order
+# (the first module is imported with the alias, the others when a name is not found before them).
+_LOOP = "hybridflow.workers.rollout.agent_loop"
+MODULE_TABLE: dict[str, str | tuple[str, ...]] = {
     "verl.protocol": "hybridflow.protocol",
     "verl.base_config": "hybridflow.utils.config",
     # single controller: verl's base/ package is our package root
@@ -84,7 +88,16 @@ MODULE_TABLE: dict[str, str] = {
     "verl.tools": "hybridflow.workers.rollout.tools",
     "verl.tools.base_tool": "hybridflow.workers.rollout.tools.base_tool",
     "verl.tools.gsm8k_tool": "hybridflow.workers.rollout.tools.gsm8k_tool",
-    "verl.experimental.agent_loop": "hybridflow.workers.rollout.agent_loop",
+    # verl's agent_loop.py is our base, server_manager, worker and manager modules
+    "verl.experimental.agent_loop": (_LOOP, f"{_LOOP}.manager", f"{_LOOP}.worker"),
+    "verl.experimental.agent_loop.agent_loop": (
+        f"{_LOOP}.base",
+        f"{_LOOP}.server_manager",
+        f"{_LOOP}.worker",
+        f"{_LOOP}.manager",
+    ),
+    "verl.experimental.agent_loop.single_turn_agent_loop": f"{_LOOP}.single_turn",
+    "verl.experimental.agent_loop.tool_agent_loop": f"{_LOOP}.tool_agent",
 }
 
 # verl packages with no hybridflow module of their own: the alias gives an empty package, so that
@@ -97,14 +110,23 @@ _OWN = frozenset(
 )
 
 
-def target_of(name: str) -> str | None:
-    """The hybridflow module behind verl's module ``name`` (``None``: not aliased, or an empty package).
+def targets_of(name: str) -> tuple[str, ...]:
+    """The hybridflow module(s) behind verl's module ``name``, in lookup order (empty: not aliased,
+    or an empty package). ``verl`` itself stands for the ``hybridflow`` package (``verl.DataProto``)."""
+    entry = MODULE_TABLE.get(name)
+    if entry is not None:
+        return (entry,) if isinstance(entry, str) else tuple(entry)
+    target = target_of(name)
+    return () if target is None else (target,)
 
-    ``verl`` itself stands for the ``hybridflow`` package (``verl.DataProto`` is ours)."""
+
+def target_of(name: str) -> str | None:
+    """The (first) hybridflow module behind verl's module ``name``; ``None``: not aliased, or an
+    empty package. A name the table does not list falls back to its mirrored ``hybridflow`` path."""
     if name == ROOT:
         return "hybridflow"
     if name in MODULE_TABLE:
-        return MODULE_TABLE[name]
+        return targets_of(name)[0]
     if name in EMPTY_PACKAGES or not name.startswith(ROOT + "."):
         return None
     mirrored = "hybridflow" + name[len(ROOT) :]
@@ -126,9 +148,14 @@ class AliasModule(types.ModuleType):
         try:
             return getattr(target, name)
         except AttributeError:
-            raise AttributeError(
-                f"module {self.__name__!r} (alias of {target.__name__!r}) has no attribute {name!r}"
-            ) from None
+            pass
+        more = self.__dict__.get("_alias_more", ())
+        for module_name in more:  # the other modules verl's one module is split into, imported now
+            module = importlib.import_module(module_name)
+            if hasattr(module, name):
+                return getattr(module, name)
+        where = ", ".join((target.__name__, *more))
+        raise AttributeError(f"module {self.__name__!r} (alias of {where}) has no attribute {name!r}")
 
     def __setattr__(self, name: str, value) -> None:
         target = self.__dict__.get("_alias_target")
@@ -156,9 +183,10 @@ class AliasModule(types.ModuleType):
 class _AliasLoader(importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> AliasModule:
         module = AliasModule(spec.name)
-        target_name = target_of(spec.name)
-        if target_name is not None:
-            module._alias_target = _import_target(spec.name, target_name)
+        names = targets_of(spec.name)
+        if names:
+            module._alias_target = _import_target(spec.name, names[0])
+            module._alias_more = names[1:]
             module.__doc__ = module._alias_target.__doc__
             module.__file__ = getattr(module._alias_target, "__file__", None)
         return module

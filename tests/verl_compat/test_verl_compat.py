@@ -57,14 +57,32 @@ def test_writes_reach_our_module_and_children_stay_on_the_alias(alias):
 
 
 def test_table_targets_exist_and_a_missing_one_is_named(alias, monkeypatch):
-    pending = {"verl.experimental.agent_loop"}  # written elsewhere at the time of writing
-    for verl_name, target in verl_compat.MODULE_TABLE.items():
-        assert verl_name in pending or importlib.util.find_spec(target) is not None, (verl_name, target)
+    for verl_name in verl_compat.MODULE_TABLE:
+        for target in verl_compat.targets_of(verl_name):
+            assert importlib.util.find_spec(target) is not None, (verl_name, target)
     monkeypatch.setitem(verl_compat.MODULE_TABLE, "verl.experimental.later", "hybridflow.workers.later")
     with pytest.raises(
         ModuleNotFoundError, match="verl.experimental.later is aliased to hybridflow.workers.later"
     ):
         importlib.import_module("verl.experimental.later")
+
+
+def test_one_verl_module_split_over_several_of_ours(alias):
+    from verl.experimental.agent_loop import AgentLoopManager, SingleTurnAgentLoop
+    from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopWorker, register
+
+    from hybridflow.workers.rollout.agent_loop import base, manager, worker
+
+    assert (AgentLoopBase, register, AgentLoopWorker) == (
+        base.AgentLoopBase,
+        base.register,
+        worker.AgentLoopWorker,
+    )
+    assert AgentLoopManager is manager.AgentLoopManager and SingleTurnAgentLoop.__module__.endswith(
+        "single_turn"
+    )
+    with pytest.raises(AttributeError, match="alias of hybridflow.workers.rollout.agent_loop.base, "):
+        importlib.import_module("verl.experimental.agent_loop.agent_loop").NoSuchLoop  # noqa: B018
 
 
 def test_unlisted_paths_fall_back_to_the_mirrored_module_or_are_not_found(alias):
