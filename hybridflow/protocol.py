@@ -8,15 +8,18 @@ A ``DataProto`` holds three things about the same ``B`` rows:
   (strings, dicts, ragged lists: ``uid``, ``data_source``, ``reward_model``, ...);
 - ``meta_info``: a plain dict of batch-level values (temperature, metrics, flags).
 
-The semantics follow verl's DataProto so code written for verl ports over, with two deliberate
+The semantics follow verl's DataProto so code written for verl ports over, with three deliberate
 differences: operations never alias ``meta_info`` between their results (each result gets a
-deep copy), and pickling moves tensors as numpy buffers (fast through Ray's object store).
+deep copy), pickling moves tensors as numpy buffers (fast through Ray's object store), and an
+auto-padded ``chunk`` of an uneven batch gives every part ``B // n`` or ``B // n + 1`` rows. Refused
+input raises :class:`DataProtoError`, both a ValueError and the AssertionError verl's asserts raise.
+Whole-batch reshapes live in :mod:`hybridflow.protocol_ops`, serialisation in
+:mod:`hybridflow.protocol_serde`, the union helpers in :mod:`hybridflow.protocol_union`.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 import os
 import pickle
 from collections.abc import Iterator, Sequence
@@ -27,7 +30,19 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from hybridflow.errors import DataProtoError
+from hybridflow.protocol_ops import (
+    fold_batch_dim,
+    pad_dataproto_to_divisor,
+    unfold_batch_dim,
+    unfold_column_chunks,
+    unpad_dataproto,
+)
 from hybridflow.protocol_serde import (
+    deserialize_single_tensor,
+    deserialize_tensordict,
+    serialize_single_tensor,
+    serialize_tensordict,
     tensordict_from_parts,
     tensordict_from_state,
     tensordict_to_parts,
@@ -42,12 +57,18 @@ from hybridflow.protocol_union import (
 
 __all__ = [
     "DataProto",
+    "DataProtoError",
     "DataProtoItem",
     "DataProtoFuture",
     "UnionConflictError",
+    "deserialize_single_tensor",
+    "deserialize_tensordict",
     "fold_batch_dim",
     "pad_dataproto_to_divisor",
+    "serialize_single_tensor",
+    "serialize_tensordict",
     "unfold_batch_dim",
+    "unfold_column_chunks",
     "union_numpy_dict",
     "union_tensor_dict",
     "unpad_dataproto",
@@ -57,45 +78,14 @@ AUTO_PADDING_KEY = "_auto_padding"
 
 
 def _to_object_array(values: Any) -> np.ndarray:
-    """A 1-D numpy object array from a list/array without numpy splitting nested sequences."""
-    if isinstance(values, np.ndarray) and values.dtype == object and values.ndim == 1:
+    """A non-tensor column as verl stores it: a numpy array is kept as it is; any other sequence
+    becomes ``np.array(values, dtype=object)``. So ragged rows stay one object per row (``(B,)``),
+    while rows of equal-length lists become a ``(B, L)`` object array, as in verl."""
+    if isinstance(values, np.ndarray):
         return values
-    out = np.empty(len(values), dtype=object)
-    out[:] = list(values)
-    return out
-
-
-def fold_batch_dim(data: DataProto, new_batch_size: int) -> DataProto:
-    """``(B, ...)`` rows → ``new_batch_size`` rows of ``(B // new_batch_size, ...)`` (verl's helper).
-
-    Tensors ``(B, *s)`` become ``(new_batch_size, B // new_batch_size, *s)`` and non-tensor arrays
-    likewise; ``data`` is left unchanged and the result owns a copy of ``meta_info``."""
-    n = len(data)
-    if new_batch_size <= 0 or n % new_batch_size:
-        raise ValueError(f"fold_batch_dim: a batch of {n} does not fold into {new_batch_size} rows")
-    batch = None
-    if data.batch is not None:
-        batch = data.batch.view(new_batch_size, -1)
-        batch.auto_batch_size_(batch_dims=1)
-    non_tensor = {
-        k: np.reshape(v, (new_batch_size, -1, *v.shape[1:])) for k, v in data.non_tensor_batch.items()
-    }
-    return type(data)(batch=batch, non_tensor_batch=non_tensor, meta_info=copy.deepcopy(data.meta_info))
-
-
-def unfold_batch_dim(data: DataProto, batch_dims: int = 2) -> DataProto:
-    """Inverse of :func:`fold_batch_dim`: merge the first ``batch_dims`` dims into one batch dim."""
-    batch = None
-    if data.batch is not None:
-        batch = data.batch.copy()  # shallow: auto_batch_size_ must not touch the caller's TensorDict
-        batch.auto_batch_size_(batch_dims=batch_dims)
-        batch = batch.view(-1)
-        n = int(batch.batch_size[0])
-    else:
-        first = next(iter(data.non_tensor_batch.values()), np.empty((0,) * batch_dims))
-        n = int(np.prod(first.shape[:batch_dims]))
-    non_tensor = {k: np.reshape(v, (n, *v.shape[batch_dims:])) for k, v in data.non_tensor_batch.items()}
-    return type(data)(batch=batch, non_tensor_batch=non_tensor, meta_info=copy.deepcopy(data.meta_info))
+    if isinstance(values, str | bytes | dict):
+        raise DataProtoError(f"a non-tensor column must be a sequence of rows, got a {type(values).__name__}")
+    return np.array(list(values), dtype=object)
 
 
 def _merge_meta(base: dict, other: dict, where: str) -> dict:
@@ -103,7 +93,7 @@ def _merge_meta(base: dict, other: dict, where: str) -> dict:
     merged = copy.deepcopy(base)
     for key, value in other.items():
         if key in merged and not _values_equal(merged[key], value):
-            raise ValueError(f"{where}: meta_info key {key!r} conflicts ({merged[key]!r} vs {value!r})")
+            raise DataProtoError(f"{where}: meta_info key {key!r} conflicts ({merged[key]!r} vs {value!r})")
         merged[key] = copy.deepcopy(value)
     return merged
 
@@ -146,17 +136,24 @@ class DataProto:
         tensors: dict[str, torch.Tensor] | None = None,
         non_tensors: dict[str, Any] | None = None,
         meta_info: dict | None = None,
+        num_batch_dims: int = 1,
         auto_padding: bool = False,
     ) -> DataProto:
-        """Build from tensors (all with the same first dim) and non-tensor sequences of that length."""
+        """Build from tensors (all with the same leading ``num_batch_dims`` dims) and non-tensor
+        sequences of that length (verl's signature). A DataProto has one batch dim, so
+        ``num_batch_dims > 1`` only passes through here to be refused by :meth:`check_consistency`."""
+        if num_batch_dims < 1:
+            raise DataProtoError(f"from_dict: num_batch_dims must be >= 1, got {num_batch_dims}")
+        if non_tensors and num_batch_dims != 1:
+            raise DataProtoError("from_dict: non_tensors need num_batch_dims=1")
         tensors = tensors or {}
         non_tensors = {k: _to_object_array(v) for k, v in (non_tensors or {}).items()}
         batch = None
         if tensors:
-            sizes = {k: v.shape[0] for k, v in tensors.items()}
+            sizes = {k: tuple(v.shape[:num_batch_dims]) for k, v in tensors.items()}
             if len(set(sizes.values())) != 1:
-                raise ValueError(f"DataProto.from_dict: tensors disagree on batch size: {sizes}")
-            batch = TensorDict(dict(tensors), batch_size=[next(iter(sizes.values()))])
+                raise DataProtoError(f"DataProto.from_dict: tensors disagree on batch size: {sizes}")
+            batch = TensorDict(dict(tensors), batch_size=list(next(iter(sizes.values()))))
         meta = copy.deepcopy(meta_info or {})
         if auto_padding:
             meta[AUTO_PADDING_KEY] = True
@@ -180,17 +177,21 @@ class DataProto:
         return 0
 
     def check_consistency(self) -> None:
-        """Raise ValueError unless the batch has one batch dim and every field has ``len(self)`` rows."""
+        """Raise :class:`DataProtoError` unless the batch has one batch dim (verl's "only support
+        num_batch_dims=1") and every field has ``len(self)`` rows."""
         if self.batch is not None and len(self.batch.batch_size) != 1:
-            raise ValueError(f"DataProto.batch must have one batch dim, got {list(self.batch.batch_size)}")
-        lengths = {k: len(v) for k, v in self.non_tensor_batch.items()}
+            raise DataProtoError(
+                f"DataProto.batch must have one batch dim (only num_batch_dims=1 is supported), "
+                f"got batch_size {list(self.batch.batch_size)}"
+            )
         for key, value in self.non_tensor_batch.items():
             if not isinstance(value, np.ndarray):
-                raise ValueError(f"non_tensor_batch[{key!r}] must be a numpy array, got {type(value)}")
+                raise DataProtoError(f"non_tensor_batch[{key!r}] must be a numpy array, got {type(value)}")
+        lengths = {k: len(v) for k, v in self.non_tensor_batch.items()}
         if self.batch is not None:
             lengths = {"<batch>": int(self.batch.batch_size[0]), **lengths}
         if len(set(lengths.values())) > 1:
-            raise ValueError(f"DataProto fields disagree on length: {lengths}")
+            raise DataProtoError(f"DataProto fields disagree on length: {lengths}")
 
     def __getitem__(self, item: Any) -> DataProto | DataProtoItem:
         """``int`` → DataProtoItem; ``slice`` → view-like DataProto; list/array/tensor/bool mask → copy."""
@@ -225,7 +226,7 @@ class DataProto:
         index = torch.as_tensor(np.asarray(idxs) if isinstance(idxs, list) else idxs)
         if index.dtype == torch.bool:
             if index.shape != (len(self),):
-                raise ValueError(f"boolean mask of shape {tuple(index.shape)} for a batch of {len(self)}")
+                raise DataProtoError(f"boolean mask of shape {tuple(index.shape)} for a batch of {len(self)}")
             index = index.nonzero(as_tuple=True)[0]
         index = index.long().reshape(-1)
         np_index = index.numpy()
@@ -282,7 +283,7 @@ class DataProto:
         old_keys = [old_keys] if isinstance(old_keys, str) else list(old_keys)
         new_keys = [new_keys] if isinstance(new_keys, str) else list(new_keys)
         if len(old_keys) != len(new_keys):
-            raise ValueError(f"rename: {len(old_keys)} old keys but {len(new_keys)} new keys")
+            raise DataProtoError(f"rename: {len(old_keys)} old keys but {len(new_keys)} new keys")
         self._require_keys(old_keys, None, None, "rename")
         for old, new in zip(old_keys, new_keys, strict=True):
             self.batch.rename_key_(old, new)
@@ -325,8 +326,10 @@ class DataProto:
         """Split into ``chunks`` parts. Exact split required unless auto-padding is enabled, in which
         case the first ``len % chunks`` parts get one extra row. Each part owns its meta_info copy."""
         n = len(self)
+        if chunks < 1:
+            raise DataProtoError(f"chunk: chunks must be >= 1, got {chunks}")
         if n % chunks and not self.is_padding_enabled():
-            raise ValueError(
+            raise DataProtoError(
                 f"chunk: a batch of {n} does not split into {chunks} equal parts; "
                 "enable auto-padding (DataProto.from_dict(..., auto_padding=True)) or fix the batch size"
             )
@@ -342,7 +345,7 @@ class DataProto:
         else:
             sizes = list(split_size)
         if sum(sizes) != n:
-            raise ValueError(f"split: sizes {sizes} do not add up to the batch size {n}")
+            raise DataProtoError(f"split: sizes {sizes} do not add up to the batch size {n}")
         bounds = np.cumsum([0, *sizes])
         return [self.slice(int(bounds[i]), int(bounds[i + 1])) for i in range(len(sizes))]
 
@@ -351,15 +354,15 @@ class DataProto:
         """Join along the batch dim. ``meta_info["metrics"]`` from every part is collected into a dict of
         lists; other meta keys must agree across parts."""
         if not data:
-            raise ValueError("concat: nothing to concatenate")
+            raise DataProtoError("concat: nothing to concatenate")
         batches = [d.batch for d in data]
         if any(b is None for b in batches) and not all(b is None for b in batches):
-            raise ValueError("concat: some parts have tensors and others do not")
+            raise DataProtoError("concat: some parts have tensors and others do not")
         batch = torch.cat(batches, dim=0) if batches[0] is not None else None
         keys = set(data[0].non_tensor_batch)
         for d in data[1:]:
             if set(d.non_tensor_batch) != keys:
-                raise ValueError(
+                raise DataProtoError(
                     f"concat: non_tensor_batch keys differ: {sorted(keys)} vs {sorted(d.non_tensor_batch)}"
                 )
         non_tensor = {k: np.concatenate([d.non_tensor_batch[k] for d in data]) for k in keys}
@@ -370,18 +373,20 @@ class DataProto:
                 if key == "metrics":
                     metrics.extend(value if isinstance(value, list) else [value])
                 elif key in meta and not _values_equal(meta[key], value):
-                    raise ValueError(f"concat: meta_info key {key!r} conflicts ({meta[key]!r} vs {value!r})")
+                    raise DataProtoError(
+                        f"concat: Conflicting values for meta_info key {key!r} ({meta[key]!r} vs {value!r})"
+                    )
                 else:
                     meta[key] = copy.deepcopy(value)
         if metrics:
             meta["metrics"] = _list_of_dict_to_dict_of_list([m for m in metrics if m])
-        return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
+        return type(data[0])(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
 
     def reorder(self, indices: torch.Tensor | np.ndarray | Sequence[int]) -> None:
         """Permute the rows in place: row ``i`` becomes the old row ``indices[i]``."""
         index = torch.as_tensor(np.asarray(indices)).long()
         if index.shape != (len(self),):
-            raise ValueError(f"reorder: expected {len(self)} indices, got {tuple(index.shape)}")
+            raise DataProtoError(f"reorder: expected {len(self)} indices, got {tuple(index.shape)}")
         if self.batch is not None:
             self.batch = self.batch[index]
         np_index = index.numpy()
@@ -403,12 +408,16 @@ class DataProto:
         rows ``[a, b, c]`` with ``[2, 0, 1]`` give ``[a, a, c]``. The result owns a copy of meta_info."""
         counts = np.asarray(repeat_times.tolist() if isinstance(repeat_times, torch.Tensor) else repeat_times)
         if counts.ndim != 1 or len(counts) != len(self):
-            raise ValueError(
+            raise DataProtoError(
                 f"sample_level_repeat: need one count per row ({len(self)}), got shape {counts.shape}"
             )
         if counts.size and (not np.issubdtype(counts.dtype, np.integer) or counts.min() < 0):
-            raise ValueError(f"sample_level_repeat: counts must be non-negative integers, got {counts}")
+            raise DataProtoError(f"sample_level_repeat: counts must be non-negative integers, got {counts}")
         return self.select_idxs(np.repeat(np.arange(len(self)), counts.astype(np.int64)))
+
+    def unfold_column_chunks(self, n_split: int, split_keys: Sequence[str] | None = None) -> DataProto:
+        """Each row becomes ``n_split`` rows; see :func:`hybridflow.protocol_ops.unfold_column_chunks`."""
+        return unfold_column_chunks(self, n_split, split_keys)
 
     def padding(self, padding_size: int, padding_candidate: str = "") -> None:
         """Append ``padding_size`` copies of the first (default) or last (``"last"``) row, in place."""
@@ -434,7 +443,7 @@ class DataProto:
         permutation drawn from a generator seeded with ``seed``, so the order is reproducible."""
         n = len(self)
         if mini_batch_size <= 0 or n % mini_batch_size:
-            raise ValueError(
+            raise DataProtoError(
                 f"make_iterator: batch of {n} is not divisible by mini_batch_size={mini_batch_size}"
             )
         shuffle = shuffle or bool((dataloader_kwargs or {}).get("shuffle", False))
@@ -480,14 +489,22 @@ class DataProto:
         cls, tensor_dict: TensorDict, meta_info: dict | None = None, num_batch_dims: int = 1
     ) -> DataProto:
         """Inverse of :meth:`to_tensordict`: tensors → ``batch``, ``NonTensorStack`` → object arrays in
-        ``non_tensor_batch``, ``NonTensorData`` → ``meta_info`` (merged over a copy of ``meta_info``)."""
-        if num_batch_dims != 1:
-            raise ValueError(f"from_tensordict: only num_batch_dims=1 is supported, got {num_batch_dims}")
+        ``non_tensor_batch``, ``NonTensorData`` → ``meta_info`` (merged over a copy of ``meta_info``).
+
+        The batch size is the first tensor's leading ``num_batch_dims`` dims (verl's rule); with
+        non-tensor columns only ``num_batch_dims=1`` is possible, and a DataProto holds one batch dim,
+        so larger values are refused by :meth:`check_consistency`."""
+        if num_batch_dims < 1:
+            raise DataProtoError(f"from_tensordict: num_batch_dims must be >= 1, got {num_batch_dims}")
         tensors, columns, meta = tensordict_to_parts(tensor_dict)
+        if (columns or meta) and num_batch_dims != 1:
+            raise DataProtoError("from_tensordict: a TensorDict with non-tensor data needs num_batch_dims=1")
         merged = copy.deepcopy(meta_info or {})
         merged.update(meta)
-        batch_size = [tensor_dict.batch_size[0]] if len(tensor_dict.batch_size) else None
-        batch = TensorDict(tensors, batch_size=batch_size) if tensors else None
+        batch = None
+        if tensors:
+            batch_size = list(next(iter(tensors.values())).shape[:num_batch_dims])
+            batch = TensorDict(tensors, batch_size=batch_size)
         non_tensor = {k: _to_object_array(v) for k, v in columns.items()}
         return cls(batch=batch, non_tensor_batch=non_tensor, meta_info=merged)
 
@@ -510,30 +527,6 @@ class DataProto:
             f"DataProto(len={len(self)}, batch_keys={keys}, "
             f"non_tensor_keys={list(self.non_tensor_batch)}, meta_keys={list(self.meta_info)})"
         )
-
-
-def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:
-    """Pad ``data`` by cycling its own rows until its length divides ``size_divisor``.
-
-    Returns ``(padded, pad_size)``; undo with :func:`unpad_dataproto`."""
-    if size_divisor <= 0:
-        raise ValueError(f"size_divisor must be positive, got {size_divisor}")
-    n = len(data)
-    pad_size = (-n) % size_divisor
-    if pad_size == 0:
-        return data, 0
-    if n == 0:
-        raise ValueError("cannot pad an empty DataProto")
-    repeats = math.ceil(pad_size / n)
-    filler = data.select(meta_info_keys=[]).repeat(repeats, interleave=False).slice(0, pad_size)
-    padded = DataProto.concat([data.select(meta_info_keys=[]), filler])
-    padded.meta_info = copy.deepcopy(data.meta_info)
-    return padded, pad_size
-
-
-def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
-    """Drop the last ``pad_size`` rows added by :func:`pad_dataproto_to_divisor`."""
-    return data.slice(0, len(data) - pad_size) if pad_size else data
 
 
 class DataProtoFuture:

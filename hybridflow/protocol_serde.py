@@ -4,11 +4,15 @@ Ray pickles torch tensors through ``torch.save``-style reducers, which is 5-20x 
 the same bytes as numpy arrays (pickle protocol 5 hands numpy buffers to Ray out-of-band, no copy).
 So a TensorDict travels as ``{key: (numpy array, torch dtype name)}``; dtypes numpy lacks (bfloat16)
 travel as same-width integer views. Tensors on an accelerator are copied to CPU first.
+
+verl's explicit helpers (``serialize_single_tensor``, ``serialize_tensordict`` and their inverses,
+re-exported by :mod:`hybridflow.protocol`) are at the end: nested tensors and the device included.
 """
 
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import numpy as np
 import torch
@@ -101,3 +105,59 @@ def tensordict_to_parts(data: TensorDict) -> tuple[dict[str, torch.Tensor], dict
                 f"from_tensordict: key {key!r} holds a {kind}; nested TensorDicts are not supported"
             )
     return tensors, columns, meta
+
+
+# ---------------------------------------------------------------------------------------------------
+# verl's explicit serialisation helpers (``verl.protocol.serialize_tensordict`` and friends): a tensor
+# as ``(dtype name, shape, raw bytes as a uint8 array)``, a TensorDict as ``(batch_size, device,
+# {key: encoded tensor})`` where a nested tensor is ``(layout name, [encoded rows])``.
+
+
+def serialize_single_tensor(tensor: torch.Tensor) -> tuple[str, torch.Size, np.ndarray]:
+    """``(dtype, shape, bytes)``: e.g. ``("bfloat16", (2, 3), uint8 array of 12 bytes)``. Tensors on
+    an accelerator are copied to the CPU first; the bytes are a view of a contiguous CPU copy."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return str(tensor.dtype).removeprefix("torch."), tensor.shape, flat.view(torch.uint8).numpy()
+
+
+def deserialize_single_tensor(encoded: tuple[str, Any, Any]) -> torch.Tensor:
+    """Inverse of :func:`serialize_single_tensor`; the bytes are copied, so the tensor owns them."""
+    dtype_name, shape, data = encoded
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"deserialize_single_tensor: {dtype_name!r} is not a torch dtype")
+    raw = bytearray(memoryview(data).cast("B"))
+    if not raw:  # torch.frombuffer refuses an empty buffer
+        return torch.empty(tuple(shape), dtype=dtype)
+    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(tuple(shape))
+
+
+def serialize_tensordict(batch: TensorDict) -> tuple[tuple[int, ...], str | None, dict[str, tuple]]:
+    """``(batch_size, device, {key: encoded})``; nested tensors keep their layout and rows."""
+    items: dict[str, tuple] = {}
+    for key, value in batch.items():
+        if value.is_nested:
+            rows = [serialize_single_tensor(row) for row in value.unbind()]
+            items[key] = (str(value.layout).removeprefix("torch."), rows)
+        else:
+            items[key] = serialize_single_tensor(value)
+    device = str(batch.device) if batch.device is not None else None
+    return tuple(batch.batch_size), device, items
+
+
+def deserialize_tensordict(encoded: tuple) -> TensorDict:
+    """Inverse of :func:`serialize_tensordict`: same keys, dtypes, shapes, layouts and device."""
+    batch_size, device, items = encoded
+    decoded: dict[str, torch.Tensor] = {}
+    for key, item in items.items():
+        if len(item) == 3:
+            decoded[key] = deserialize_single_tensor(item)
+        elif len(item) == 2:
+            layout_name, rows = item
+            layout = getattr(torch, layout_name)
+            decoded[key] = torch.nested.as_nested_tensor(
+                [deserialize_single_tensor(row) for row in rows], layout=layout
+            )
+        else:
+            raise ValueError(f"deserialize_tensordict: key {key!r} has an encoding of length {len(item)}")
+    return TensorDict(decoded, batch_size=batch_size, device=device)

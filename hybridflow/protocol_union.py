@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from hybridflow.errors import DataProtoError
+
 __all__ = ["UnionConflictError", "union_numpy_dict", "union_tensor_dict"]
 
 
@@ -22,31 +24,46 @@ def _values_equal(x: Any, y: Any) -> bool:
     return x == y
 
 
-class UnionConflictError(ValueError, AssertionError):
+class UnionConflictError(DataProtoError):
     """Two containers disagree on a shared key. A ``ValueError``, and an ``AssertionError`` because
     verl's ``union_*`` helpers assert (code written against verl catches that)."""
 
 
-def _deep_equal(a: Any, b: Any) -> bool:
+def _deep_equal(a: Any, b: Any, seen: set[tuple[int, int]] | None = None) -> bool:
     """verl's strict equality for non-tensor values: same type, NaN equals NaN, numpy arrays need the
-    same dtype and shape, object arrays/lists/dicts compare element by element."""
+    same dtype and shape, object arrays/lists/dicts compare element by element.
+
+    Containers that contain themselves compare without recursing forever: a pair of containers met
+    again while it is being compared counts as equal (two self-referencing arrays of the same shape
+    are equal; a self-referencing one and a plain one still differ at the first element)."""
     if type(a) is not type(b):
         return False
     if isinstance(a, float):
         return a == b or (math.isnan(a) and math.isnan(b))
-    if isinstance(a, np.ndarray):
-        if a.dtype != b.dtype or a.shape != b.shape:
-            return False
-        if a.dtype == object:
-            return all(_deep_equal(x, y) for x, y in zip(a.flat, b.flat, strict=True))
-        return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(_deep_equal(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_deep_equal(a[k], b[k]) for k in a)
     if isinstance(a, torch.Tensor):
         return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
-    return bool(a == b)
+    if not isinstance(a, np.ndarray | list | tuple | dict):
+        return bool(a == b)
+    if isinstance(a, np.ndarray) and a.dtype != object:
+        same_layout = a.dtype == b.dtype and a.shape == b.shape
+        return same_layout and bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+    seen = set() if seen is None else seen
+    pair = (id(a), id(b))
+    if pair in seen:
+        return True
+    seen.add(pair)
+    try:
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(_deep_equal(a[k], b[k], seen) for k in a)
+        if isinstance(a, np.ndarray):
+            if a.shape != b.shape:
+                return False
+            a, b = a.flat, b.flat
+        elif len(a) != len(b):
+            return False
+        return all(_deep_equal(x, y, seen) for x, y in zip(a, b, strict=True))
+    finally:
+        seen.discard(pair)
 
 
 def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> TensorDict:
@@ -87,6 +104,9 @@ def union_numpy_dict(tensor_dict1: dict[str, np.ndarray], tensor_dict2: dict[str
                 f"union: non_tensor_batch key {key!r} must be a numpy array on both sides"
             )
         if not _deep_equal(mine, value):
-            raise UnionConflictError(f"union: non_tensor_batch key {key!r} differs between the two dicts")
+            raise UnionConflictError(
+                f"union: non_tensor_batch key {key!r} differs: "
+                f"`{key}` in tensor_dict1 and tensor_dict2 are not the same object."
+            )
     tensor_dict1.update(tensor_dict2)
     return tensor_dict1

@@ -155,7 +155,7 @@ def test_concat_collects_metrics_and_rejects_conflicting_meta():
     assert joined.non_tensor_batch["uid"].tolist() == ["u0", "u1", "u2", "u3"]
     assert joined.meta_info == {"temperature": 1.0, "metrics": {"loss": [1.0, 2.0]}}
     parts[1].meta_info["temperature"] = 0.5
-    with pytest.raises(ValueError, match="meta_info key 'temperature' conflicts"):
+    with pytest.raises(ValueError, match="Conflicting values for meta_info key 'temperature'"):
         DataProto.concat(parts)
 
 

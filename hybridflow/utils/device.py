@@ -9,6 +9,10 @@ reads ``torch.cuda.is_available()`` to choose a device.
 
 A process that was not started by a worker group (a test, a script) falls back to the backend of an
 already initialised process group (gloo: CPU, nccl: CUDA), and otherwise to CUDA when it is visible.
+
+verl's names are at the end (``get_device_name``, ``get_torch_device``, ``get_nccl_backend``,
+``get_device_id``): on the CPU ``get_torch_device()`` answers ``torch.cuda``'s calls, and the
+backend is gloo, so device-agnostic verl code runs unchanged.
 """
 
 from __future__ import annotations
@@ -133,3 +137,119 @@ def synchronize() -> None:
     """Wait for queued device work (for timings; no-op on CPU)."""
     if device_type() == "cuda":
         torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------------
+# verl's device helpers, so device-agnostic code written for verl runs here, on the CPU too.
+
+is_cuda_available = torch.cuda.is_available()
+is_npu_available = False  # hybridflow runs on CUDA or the CPU
+
+
+def get_device_name() -> str:
+    """``cuda`` or ``cpu``: :func:`device_type` under verl's name."""
+    return device_type()
+
+
+def get_nccl_backend() -> str:
+    """The collective backend for this process's device: NCCL on CUDA, gloo on the CPU (verl answers
+    ``nccl`` everywhere but NPUs, which fails on a CPU-only host)."""
+    return dist_backend()
+
+
+def get_visible_devices_keyword() -> str:
+    return "CUDA_VISIBLE_DEVICES"
+
+
+def get_resource_name() -> str:
+    return "GPU"
+
+
+class CpuDeviceModule:
+    """``torch.cuda``'s interface answered for the CPU, for code that calls
+    ``get_torch_device().set_device(rank)``, ``.current_device()``, ``.empty_cache()``, ...
+
+    Device selection and cache calls are no-ops; the current device is index 0 of one; the device
+    memory counters read 0 (the CPU has no device allocator); seeds and RNG state are torch's global
+    ones. Names it does not define come from ``torch.cpu`` (``Stream``, ``Event``, ``stream``, ...).
+    """
+
+    def __getattr__(self, name: str):
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def set_device(device=None) -> None:
+        """No-op: a CPU process has one device."""
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        """No-op: CPU work is synchronous."""
+
+    @staticmethod
+    def empty_cache() -> None:
+        """No-op: no device cache to return."""
+
+    @staticmethod
+    def memory_allocated(device=None) -> int:
+        return 0
+
+    memory_reserved = max_memory_allocated = max_memory_reserved = memory_allocated
+
+    @staticmethod
+    def reset_peak_memory_stats(device=None) -> None:
+        """No-op (see :meth:`memory_allocated`)."""
+
+    reset_max_memory_allocated = reset_peak_memory_stats
+
+    @staticmethod
+    def mem_get_info(device=None) -> tuple[int, int]:
+        """``(free, total)`` bytes of host memory, as ``torch.cuda.mem_get_info`` answers for a GPU."""
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        torch.manual_seed(seed)
+
+    manual_seed_all = manual_seed
+
+    @staticmethod
+    def get_rng_state(device=None) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, device=None) -> None:
+        torch.set_rng_state(state)
+
+    @staticmethod
+    def get_device_name(device=None) -> str:
+        return "cpu"
+
+    @staticmethod
+    def is_bf16_supported(including_emulation: bool = True) -> bool:
+        return including_emulation or has_fast_bf16("cpu")
+
+
+_CPU_DEVICE_MODULE = CpuDeviceModule()
+
+
+def get_torch_device():
+    """``torch.cuda`` on CUDA; on the CPU a :class:`CpuDeviceModule` answering the same calls."""
+    return torch.cuda if device_type() == "cuda" else _CPU_DEVICE_MODULE
+
+
+def get_device_id() -> int:
+    """Index of this process's current device (0 on the CPU)."""
+    return get_torch_device().current_device()

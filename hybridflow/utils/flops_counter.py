@@ -1,6 +1,8 @@
 """Model FLOPs of a training step and the device peak they are compared with (MFU = achieved / peak).
 
-The count is verl's for Llama/Qwen2/Qwen3-style decoders (SwiGLU MLP, GQA attention), forward + backward:
+The per-architecture counts live in :mod:`hybridflow.utils.flops_formulas` (verl's formulas for
+llama, qwen2/3, qwen3_moe, deepseek_v3, mistral, gemma3_text, apertus, gpt_oss, qwen3_vl, ...). For the
+Llama/Qwen-style decoder (SwiGLU MLP, GQA attention), forward + backward:
 
 - dense: ``6 * N * tokens`` with ``N = L * (3 * H * I + H * (q + k + v + o)) + 2 * V * H`` (embedding and
   LM head both counted, as verl does, even when tied);
@@ -14,10 +16,13 @@ CPU peaks are the platform notes' measured matmul 2048^2 rates per core: fp32 10
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from hybridflow.utils.flops_formulas import FORMULAS, cfg, dense_decoder_params, step_flops
 
 __all__ = [
     "FlopsCounter",
@@ -53,44 +58,16 @@ def _normalize_dtype(dtype: str | torch.dtype) -> str:
     return _DTYPE_ALIASES.get(name, name)
 
 
-def _cfg(config: Any, name: str, default: Any = None) -> Any:
-    """Read a field from an HF config object or a plain dict."""
-    if isinstance(config, Mapping):
-        value = config.get(name, default)
-    else:
-        value = getattr(config, name, default)
-    return default if value is None else value
-
-
-def decoder_dense_params(config: Any) -> int:
-    """Parameters that multiply every token (all linear layers + embedding + LM head), as verl counts."""
-    hidden = _cfg(config, "hidden_size")
-    heads = _cfg(config, "num_attention_heads")
-    kv_heads = _cfg(config, "num_key_value_heads", heads)
-    head_dim = _cfg(config, "head_dim", hidden // heads)
-    q_size, kv_size = heads * head_dim, kv_heads * head_dim
-    mlp = 3 * hidden * _cfg(config, "intermediate_size")  # gate, up, down
-    attn = hidden * (q_size + 2 * kv_size + q_size)  # q, k, v, o projections
-    embed_and_head = 2 * _cfg(config, "vocab_size") * hidden
-    return _cfg(config, "num_hidden_layers") * (mlp + attn) + embed_and_head
+_cfg = cfg
+decoder_dense_params = dense_decoder_params  # the Llama-style count, under its earlier name
 
 
 def estimate_decoder_flops(config: Any, batch_seqlens: list[int], delta_time_s: float) -> tuple[float, int]:
-    """Training FLOP/s achieved on ``batch_seqlens`` (real tokens per sequence) in ``delta_time_s``.
-
-    Returns ``(achieved_flops_per_s, n_dense_params)``.
-    """
+    """Training FLOP/s of a Llama-style decoder on ``batch_seqlens`` (real tokens per sequence) in
+    ``delta_time_s``. Returns ``(achieved_flops_per_s, n_dense_params)``."""
     if delta_time_s <= 0:
         raise ValueError(f"delta_time_s must be positive, got {delta_time_s}")
-    n_params = decoder_dense_params(config)
-    heads = _cfg(config, "num_attention_heads")
-    head_dim = _cfg(config, "head_dim", _cfg(config, "hidden_size") // heads)
-    tokens = sum(batch_seqlens)
-    seqlen_sq = sum(s * s for s in batch_seqlens)
-    dense_flops = 6 * n_params * tokens
-    # (QK^T + AV) x (fwd + 2 bwd) x causal half = (2 + 2) * 3 / 2 = 6 FLOPs per (s^2 * head_dim) per head.
-    attn_flops = 6 * _cfg(config, "num_hidden_layers") * seqlen_sq * head_dim * heads
-    return (dense_flops + attn_flops) / delta_time_s, n_params
+    return step_flops(config, batch_seqlens, model_type="llama") / delta_time_s, dense_decoder_params(config)
 
 
 def default_peak_flops(
@@ -136,21 +113,96 @@ def measure_peak_flops_cpu(dtype: str | torch.dtype = "bfloat16", n: int = 1024,
     return 2 * n**3 / max(best, 1e-9)
 
 
-class FlopsCounter:
-    """Model FLOP utilisation of a decoder: ``estimate`` returns achieved and peak FLOP/s."""
+# Config fields that mark a mixture of experts: counting one as a dense decoder would be wrong.
+_MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
-    def __init__(self, config: Any, peak_flops_per_s: float) -> None:
-        if peak_flops_per_s <= 0:
+
+class FlopsCounter:
+    """Model FLOP utilisation of one model: achieved FLOP/s of a step against the device peak.
+
+    ``FlopsCounter(hf_config)`` picks the formula of ``config.model_type`` (see
+    :data:`hybridflow.utils.flops_formulas.FORMULAS`); a config without ``model_type`` (a plain dict)
+    is counted as a Llama-style decoder. An unknown ``model_type`` is counted that way too when its
+    config looks like one, with a warning; a mixture of experts or a config without the decoder
+    fields gets no count at all (NaN, with a warning) rather than a wrong one (verl reports 0).
+
+    ``peak_flops_per_s``: one worker's peak; by default that of this process's device (see
+    :func:`default_peak_flops`; infinite for an unknown GPU, so MFU reads 0 as in verl).
+    """
+
+    def __init__(self, config: Any, peak_flops_per_s: float | None = None) -> None:
+        if peak_flops_per_s is not None and peak_flops_per_s <= 0:
             raise ValueError(f"peak_flops_per_s must be positive, got {peak_flops_per_s}")
         self.config = config
-        self.peak_flops_per_s = float(peak_flops_per_s)
-        self.n_params = decoder_dense_params(config)
+        self._peak = None if peak_flops_per_s is None else float(peak_flops_per_s)
+        self.model_type = _cfg(config, "model_type")
+        self.formula = self._choose_formula()
 
-    def estimate(self, batch_seqlens: list[int], delta_time: float) -> tuple[float, float]:
+    def _choose_formula(self) -> str | None:
+        if self.model_type in FORMULAS:
+            return self.model_type
+        dense_fields = (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "vocab_size",
+        )
+        looks_dense = all(_cfg(self.config, f) is not None for f in dense_fields) and not any(
+            _cfg(self.config, f) is not None for f in _MOE_FIELDS
+        )
+        if self.model_type is None and looks_dense:
+            return "llama"
+        known = ", ".join(sorted(FORMULAS))
+        if looks_dense:
+            warnings.warn(
+                f"FlopsCounter: no FLOPs formula for model_type {self.model_type!r}; counting it as a "
+                f"Llama-style dense decoder (known: {known})",
+                stacklevel=3,
+            )
+            return "llama"
+        warnings.warn(
+            f"FlopsCounter: no FLOPs formula for model_type {self.model_type!r} (known: {known}); "
+            "MFU is not reported (NaN)",
+            stacklevel=3,
+        )
+        return None
+
+    @property
+    def peak_flops_per_s(self) -> float:
+        if self._peak is None:
+            self._peak = _this_device_peak()
+        return self._peak
+
+    def estimate(
+        self, batch_seqlens: Sequence[int], delta_time: float, images_seqlens: Sequence[int] | None = None
+    ) -> tuple[float, float]:
         """``(achieved_flops_per_s, peak_flops_per_s)``; MFU is their ratio."""
-        achieved, _ = estimate_decoder_flops(self.config, batch_seqlens, delta_time)
-        return achieved, self.peak_flops_per_s
+        if delta_time <= 0:
+            raise ValueError(f"delta_time must be positive, got {delta_time}")
+        if self.formula is None:
+            return float("nan"), self.peak_flops_per_s
+        flops = step_flops(self.config, batch_seqlens, images_seqlens, model_type=self.formula)
+        return flops / delta_time, self.peak_flops_per_s
 
-    def mfu(self, batch_seqlens: list[int], delta_time: float) -> float:
+    def estimate_flops(
+        self, batch_seqlens: Sequence[int], delta_time: float, **kwargs
+    ) -> tuple[float, float]:
+        """verl's call: ``(achieved, promised)`` in TFLOP/s (1e12); ``images_seqlens=`` for Qwen3-VL."""
+        achieved, peak = self.estimate(batch_seqlens, delta_time, kwargs.get("images_seqlens"))
+        return achieved / 1e12, peak / 1e12
+
+    def mfu(self, batch_seqlens: Sequence[int], delta_time: float) -> float:
         achieved, peak = self.estimate(batch_seqlens, delta_time)
         return achieved / peak
+
+
+def _this_device_peak() -> float:
+    """Peak FLOP/s of this process's device in its default compute dtype (inf for an unknown GPU)."""
+    from hybridflow.utils.device import default_compute_dtype, device_type
+
+    kind = device_type()
+    try:
+        return default_peak_flops(kind, default_compute_dtype(kind), torch.get_num_threads())
+    except ValueError:
+        return float("inf")

@@ -7,11 +7,12 @@ Advantage estimators, policy losses, loss-aggregation modes and KL estimators ea
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from enum import Enum
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 F = TypeVar("F", bound=Callable)
+_MISSING = object()
 
 
 class RegistryError(KeyError, ValueError):
@@ -21,8 +22,12 @@ class RegistryError(KeyError, ValueError):
         return str(self.args[0]) if self.args else ""
 
 
-class Registry(Generic[F]):
+class Registry(MutableMapping, Generic[F]):
     """Maps names (and aliases) to functions of one kind with one shared signature.
+
+    It is also a mutable mapping, as verl's registries are plain dicts: ``REGISTRY["name"]``,
+    ``.clear()``, ``.update({...})``, ``del REGISTRY["name"]`` work. Item assignment replaces an entry
+    deliberately; the decorator :meth:`register` is the checked path. Compared by identity.
 
     Example::
 
@@ -45,30 +50,34 @@ class Registry(Generic[F]):
         under a taken name raises ``RegistryError``. All names are checked before any is bound. An
         ``Enum`` name (verl's ``AdvantageEstimator.GRPO``) registers its ``.value``.
         """
-        names = tuple(_key(n) for n in (name, *aliases))
+        return register_in(self._entries, self.kind, name, *aliases)
 
-        def decorator(fn: F) -> F:
-            for n in names:
-                taken = self._entries.get(n)
-                if taken is not None and taken is not fn:
-                    raise RegistryError(
-                        f"{self.kind} {n!r} is already registered to {_qualname(taken)}; "
-                        f"refusing to replace it with {_qualname(fn)}"
-                    )
-            for n in names:
-                self._entries[n] = fn
-            return fn
-
-        return decorator
-
-    def get(self, name: str) -> F:
-        """The function registered under ``name``; ``RegistryError`` listing all names if unknown."""
+    def get(self, name: str, default: Any = _MISSING) -> F:
+        """The function registered under ``name``. Unknown: ``default`` when one is given, else
+        ``RegistryError`` listing all names."""
         try:
             return self._entries[_key(name)]
         except (KeyError, TypeError):
+            if default is not _MISSING:
+                return default
             raise RegistryError(
                 f"Unknown {self.kind} {name!r}. Registered: {', '.join(self.names())}"
             ) from None
+
+    def __getitem__(self, name: str) -> F:
+        return self.get(name)
+
+    def __setitem__(self, name: str, fn: F) -> None:
+        self._entries[_key(name)] = fn
+
+    def __delitem__(self, name: str) -> None:
+        del self._entries[_key(name)]
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
 
     def names(self) -> list[str]:
         """All registered names and aliases, sorted."""
@@ -85,6 +94,36 @@ class Registry(Generic[F]):
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}, names={self.names()})"
+
+
+def register_in(entries: MutableMapping, kind: str, name, *aliases) -> Callable[[F], F]:
+    """The registration rules, for a :class:`Registry`'s entries or any plain dict (verl's registries
+    are dicts): Enum names register their ``.value``; the same function again is a no-op; a different
+    function under a taken name raises :class:`RegistryError` before any name is bound."""
+    names = tuple(_key(n) for n in (name, *aliases))
+
+    def decorator(fn: F) -> F:
+        for n in names:
+            taken = entries.get(n, None)
+            if taken is not None and taken is not fn:
+                raise RegistryError(
+                    f"{kind} {n!r} is already registered to {_qualname(taken)}; "
+                    f"refusing to replace it with {_qualname(fn)}"
+                )
+        for n in names:
+            entries[n] = fn
+        return fn
+
+    return decorator
+
+
+def lookup_in(entries: Mapping, name, unknown: str) -> Any:
+    """``entries[name]`` (an Enum stands for its value); ``RegistryError(unknown + registered names)``
+    when missing. ``unknown`` is the caller's wording, e.g. verl's ``"Unknown reward manager: x"``."""
+    key = _key(name)
+    if key not in entries:
+        raise RegistryError(f"{unknown}. Registered: {', '.join(sorted(map(str, entries)))}")
+    return entries[key]
 
 
 def _key(name):

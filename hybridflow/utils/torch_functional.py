@@ -140,3 +140,75 @@ def get_response_mask(
     # EOS tokens strictly before position t; the first EOS itself is still kept.
     eos_before = is_eos.cumsum(dim=-1) - is_eos
     return (eos_before == 0).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Statistics over every rank of a process group (verl's helpers; every rank must call them).
+
+
+def _all_reduce(value: torch.Tensor, op, group=None) -> torch.Tensor:
+    torch.distributed.all_reduce(value, op=op, group=group)
+    return value
+
+
+def distributed_mean_max_min_std(
+    local_tensor: torch.Tensor,
+    compute_max: bool = True,
+    compute_min: bool = True,
+    compute_std: bool = True,
+    group=None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(mean, max, min, std)`` of the elements of ``local_tensor`` on every rank together; a
+    disabled statistic is None. ``std`` is unbiased over all ``N`` elements, ``sqrt(sum (x - mean)^2 /
+    (N - 1))`` (0 when N is 1). E.g. ranks holding [1] and [2]: mean 1.5, max 2, min 1, std 0.7071."""
+    from torch.distributed import ReduceOp
+
+    values = local_tensor if local_tensor.is_floating_point() else local_tensor.double()
+    total = _all_reduce(values.sum(), ReduceOp.SUM, group)
+    count = _all_reduce(
+        torch.tensor(float(values.numel()), dtype=total.dtype, device=values.device), ReduceOp.SUM, group
+    )
+    mean = total / count
+    gmax = _all_reduce(values.max(), ReduceOp.MAX, group) if compute_max else None
+    gmin = _all_reduce(values.min(), ReduceOp.MIN, group) if compute_min else None
+    std = None
+    if compute_std:
+        sq_dev = _all_reduce(((values - mean) ** 2).sum(), ReduceOp.SUM, group)
+        std = torch.sqrt(sq_dev / torch.clamp(count - 1, min=1))
+    return mean, gmax, gmin, std
+
+
+def distributed_masked_mean(local_tensor: torch.Tensor, local_mask: torch.Tensor, group=None) -> torch.Tensor:
+    """Mean of the masked-in elements of every rank together, ``sum(x * m) / sum(m)`` all-reduced.
+    Masked-out values never count, not even as NaN (see :func:`masked_sum`). E.g. rank 0 holds [1, 2]
+    under mask [1, 0] and rank 1 [3, 4] under [0, 1]: (1 + 4) / 2 = 2.5."""
+    from torch.distributed import ReduceOp
+
+    total = _all_reduce(masked_sum(local_tensor, local_mask), ReduceOp.SUM, group)
+    count = _all_reduce(local_mask.sum().to(total.dtype), ReduceOp.SUM, group)
+    return total / count
+
+
+def expand_as_nested(tensor: torch.Tensor, nested_tensor: torch.Tensor) -> torch.Tensor:
+    """Broadcast one value per row over a jagged tensor's rows (verl's helper).
+
+    Shapes: tensor ``(B,)``, nested_tensor jagged ``(B, j)`` -> jagged ``(B, j)`` with the same
+    offsets, row ``i`` filled with ``tensor[i]``. E.g. ``[1, 2]`` over rows of lengths 2 and 3 gives
+    ``[[1, 1], [2, 2, 2]]``. Other shapes raise :class:`~hybridflow.errors.InvalidInputError`."""
+    from hybridflow.errors import InvalidInputError
+
+    if not nested_tensor.is_nested:
+        raise InvalidInputError("expand_as_nested: nested_tensor must be a nested (jagged) tensor")
+    if tensor.dim() != 1:
+        raise InvalidInputError(f"expand_as_nested: tensor must be 1-D (B,), got shape {tuple(tensor.shape)}")
+    if nested_tensor.dim() != 2:
+        raise InvalidInputError(
+            f"expand_as_nested: nested_tensor must be (B, j), got {nested_tensor.dim()} dims"
+        )
+    if tensor.shape[0] != nested_tensor.shape[0]:
+        raise InvalidInputError(
+            f"expand_as_nested: {tensor.shape[0]} values for {nested_tensor.shape[0]} rows"
+        )
+    offsets = nested_tensor.offsets()
+    values = torch.repeat_interleave(tensor, offsets.diff(), dim=0)
+    return torch.nested.nested_tensor_from_jagged(values=values, offsets=offsets)

@@ -95,3 +95,35 @@ def test_global_conflicts_raise_without_changing_registry():
     assert ADV_ESTIMATORS.get("grpo") is before
     with pytest.raises(ValueError):
         register_policy_loss("vanilla")(_fn_a)
+
+
+def test_registry_is_a_dict_like_mapping_as_verls_registries_are():
+    reg = Registry("thing")
+    reg.register("a")(_fn_a)
+    reg.update({"b": _fn_b})  # plain assignment replaces on purpose; register() is the checked path
+    assert reg["a"] is _fn_a and dict(reg.items()) == {"a": _fn_a, "b": _fn_b}
+    assert reg.get("zzz", None) is None
+    del reg["a"]
+    assert list(reg) == ["b"]
+    reg.clear()
+    assert len(reg) == 0
+    with pytest.raises(KeyError):
+        reg["b"]
+
+
+def test_register_in_applies_the_rules_to_a_plain_dict():
+    from enum import Enum
+
+    from hybridflow.utils.registry import lookup_in, register_in
+
+    class Names(Enum):
+        A = "a"
+
+    entries = {}
+    register_in(entries, "thing", Names.A)(_fn_a)
+    register_in(entries, "thing", "a")(_fn_a)  # the same function again: no-op
+    with pytest.raises(ValueError, match="already registered"):
+        register_in(entries, "thing", "a")(_fn_b)
+    assert lookup_in(entries, Names.A, "Unknown thing: A") is _fn_a
+    with pytest.raises(ValueError, match="^Unknown thing: c. Registered: a$"):
+        lookup_in(entries, "c", "Unknown thing: c")

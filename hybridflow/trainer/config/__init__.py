@@ -9,6 +9,7 @@ whose effect hybridflow does not deliver (:mod:`.honesty`) are all collected and
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 from pathlib import Path
@@ -30,6 +31,28 @@ FREE_FORM_KEYS = frozenset(
         "role_pool_mapping",
     }
 )
+
+
+# verl's typed sections, defined beside the code that reads them (lower layers) and importable from
+# here, verl's path: ``from hybridflow.trainer.config import AlgoConfig``. Loaded on first use.
+_TYPED_SECTIONS = {
+    "AlgoConfig": "hybridflow.algorithms.config",
+    "FilterGroupsConfig": "hybridflow.algorithms.config",
+    "KLControlConfig": "hybridflow.algorithms.config",
+    "RolloutCorrectionConfig": "hybridflow.algorithms.config",
+    "BaseConfig": "hybridflow.utils.config",
+    "omega_conf_to_dataclass": "hybridflow.utils.config",
+}
+
+
+def __getattr__(name: str):
+    if name in _TYPED_SECTIONS:
+        return getattr(importlib.import_module(_TYPED_SECTIONS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_TYPED_SECTIONS))
 
 
 class ConfigError(ValueError):

@@ -37,11 +37,9 @@ from hybridflow.algorithms import (
     compute_advantage,
     compute_policy_loss,
     compute_value_loss,
-    get_adv_estimator_fn,
     get_kl_controller,
     get_policy_loss_fn,
     kl_penalty,
-    register_adv_est,
     register_policy_loss,
 )
 from hybridflow.algorithms.advantage import (
@@ -64,6 +62,7 @@ from hybridflow.algorithms.policy_loss import (
     compute_policy_loss_sapo,
     compute_policy_loss_vanilla,
 )
+from hybridflow.utils.registry import lookup_in, register_in
 from hybridflow.utils.torch_functional import entropy_from_logits
 
 # Every estimator here is vectorised; verl's names for its vectorised versions are the same functions.
@@ -72,6 +71,24 @@ compute_rloo_vectorized_outcome_advantage = compute_rloo_outcome_advantage
 
 POLICY_LOSS_REGISTRY = POLICY_LOSSES  # verl's module-level names for the registries
 ADV_ESTIMATOR_REGISTRY = ADV_ESTIMATORS
+
+
+def register_adv_est(name_or_enum, *aliases):
+    """verl's decorator: register an estimator under a name (or an Enum's ``.value``).
+
+    It registers into this module's ``ADV_ESTIMATOR_REGISTRY`` as bound at call time (the trainer's
+    registry, unless code rebinds the name, as verl's own tests do). Registering a different function
+    under a taken name raises a ``ValueError``; the same function again is a no-op."""
+    return register_in(ADV_ESTIMATOR_REGISTRY, "advantage estimator", name_or_enum, *aliases)
+
+
+def get_adv_estimator_fn(name_or_enum):
+    """verl's lookup: the estimator registered under ``name_or_enum`` (case-sensitive). An unknown
+    name raises a ``ValueError`` worded as verl's (``Unknown advantage estimator simply: <name>``),
+    followed by the registered names."""
+    return lookup_in(
+        ADV_ESTIMATOR_REGISTRY, name_or_enum, f"Unknown advantage estimator simply: {name_or_enum}"
+    )
 
 
 class AdvantageEstimator(StrEnum):

@@ -23,6 +23,7 @@ import torch
 
 from hybridflow import keys as K
 from hybridflow.protocol import DataProto
+from hybridflow.utils.metric import reduce_metrics  # noqa: F401  (verl imports it from here too)
 from hybridflow.utils.rollout_parity import compute_rollout_probs_diff, rollout_parity_metrics  # noqa: F401
 from hybridflow.utils.torch_functional import masked_var
 
@@ -120,14 +121,28 @@ def compute_data_metrics(batch: DataProto, use_critic: bool = True) -> dict[str,
     return metrics
 
 
+def _compute_response_info(batch: DataProto) -> dict[str, torch.Tensor]:
+    """verl's helper, kept under its name (tests patch it): ``prompt_length (B,)`` and
+    ``response_length (B,)`` float token counts, and ``response_mask (B, T_r)`` (the response part of
+    ``attention_mask``)."""
+    t_r = batch.batch[K.RESPONSES].shape[-1]
+    attention_mask = batch.batch[K.ATTENTION_MASK]
+    response_mask = attention_mask[:, -t_r:]
+    return {
+        "prompt_length": attention_mask[:, :-t_r].sum(-1).float(),
+        "response_length": response_mask.sum(-1).float(),
+        "response_mask": response_mask,
+    }
+
+
 def compute_timing_metrics(batch: DataProto, timing_raw: dict[str, float]) -> dict[str, float]:
     """``timing_s/<name>`` for every entry; ``timing_per_token_ms/<name>`` for the known phases.
 
     Generation is normalised by response tokens, the training-side passes by prompt + response tokens.
     """
-    prompt_length, response_length, _, _ = _lengths(batch)
-    n_response = response_length.sum().item()
-    n_all = prompt_length.sum().item() + n_response
+    info = _compute_response_info(batch)
+    n_response = info["response_length"].sum().item()
+    n_all = info["prompt_length"].sum().item() + n_response
     tokens = {
         **{name: n_response for name in _RESPONSE_TOKEN_PHASES},
         **{name: n_all for name in _ALL_TOKEN_PHASES},
@@ -145,7 +160,7 @@ def compute_throughput_metrics(
     """Tokens per second per worker over the whole step (``timing_raw["step"]``).
 
     The token count is ``meta_info["global_token_num"]`` (per-sequence counts, summed) when present,
-    else the attention-mask sum.
+    else the attention-mask sum. E.g. 600 tokens in a 2 s step on 2 workers: 150 tokens/s each.
     """
     token_num = batch.meta_info.get("global_token_num")
     if token_num is None:
@@ -160,7 +175,11 @@ def compute_throughput_metrics(
     }
 
 
-compute_throughout_metrics = compute_throughput_metrics  # verl's spelling, for ported code
+def compute_throughout_metrics(
+    batch: DataProto, timing_raw: dict[str, float], n_gpus: int
+) -> dict[str, float]:
+    """verl's spelling and signature of :func:`compute_throughput_metrics` (``n_gpus`` workers)."""
+    return compute_throughput_metrics(batch, timing_raw, n_gpus)
 
 
 def compute_overhead_metrics(timing_raw: dict[str, float], metrics: dict[str, float]) -> dict[str, float]:
@@ -183,35 +202,6 @@ def compute_overhead_metrics(timing_raw: dict[str, float], metrics: dict[str, fl
         "perf/dispatch_overhead_frac": overhead / step,
         "perf/weight_sync_frac": timing_raw.get("update_weights", 0.0) / step,
     }
-
-
-def reduce_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    """Reduce each list of values (e.g. one per micro-batch or rank) to one number, as verl does.
-
-    A key with a ``max`` (or ``min``) path/underscore token takes the max (min), e.g.
-    ``perf/max_memory_allocated_gb``; everything else the mean. An empty list reduces to NaN (verl's
-    ``np.mean([])``); scalars and 0-d tensors pass through. Returns a new dict (the input is not
-    modified). verl matches plain substrings, so its ``timing_s/...`` (t-i-*min*-g) reduces by min;
-    matching whole tokens avoids that.
-    """
-    reduced = {}
-    for key, value in metrics.items():
-        if isinstance(value, torch.Tensor | np.ndarray):
-            value = value.reshape(-1).tolist() if value.ndim > 0 else value.item()
-        if not isinstance(value, list | tuple):
-            reduced[key] = float(value)
-            continue
-        values = np.asarray([float(v) for v in value], dtype=np.float64)
-        tokens = set(key.replace("/", "_").split("_"))
-        if values.size == 0:
-            reduced[key] = float("nan")
-        elif "max" in tokens:
-            reduced[key] = float(values.max())
-        elif "min" in tokens:
-            reduced[key] = float(values.min())
-        else:
-            reduced[key] = float(values.mean())
-    return reduced
 
 
 def _bootstrap_indices(n: int, subset_size: int, n_bootstrap: int, seed: int) -> np.ndarray:

@@ -20,13 +20,16 @@ from hybridflow.workers.reward_manager.dapo import DAPORewardManager
 from hybridflow.workers.reward_manager.naive import NaiveRewardManager, RewardScoreError
 from hybridflow.workers.reward_manager.prime import PrimeRewardManager
 from hybridflow.workers.reward_manager.registry import (
+    REWARD_MANAGER_REGISTRY,
     REWARD_MANAGERS,
     get_reward_manager_cls,
+    register,
     register_reward_manager,
 )
 from hybridflow.workers.reward_manager.timeouts import ScoreTimeout
 
 __all__ = [
+    "REWARD_MANAGER_REGISTRY",
     "REWARD_MANAGERS",
     "BatchRewardManager",
     "CustomRewardFunction",
@@ -38,5 +41,6 @@ __all__ = [
     "build_reward_manager",
     "get_reward_manager_cls",
     "load_custom_reward_function",
+    "register",
     "register_reward_manager",
 ]

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from hybridflow.protocol import DataProto
+from hybridflow.trainer.ppo import metric_utils
 from hybridflow.trainer.ppo.metric_utils import (
     bootstrap_metric,
     calc_maj_val,
@@ -104,6 +105,22 @@ def test_timing_and_throughput():
     assert m == {"perf/total_num_tokens": 12, "perf/time_per_step": 3.0, "perf/throughput": 2.0}
     m = compute_throughput_metrics(_batch(meta_info={"global_token_num": [10, 10, 10]}), timing, 2)
     assert m["perf/total_num_tokens"] == 30 and m["perf/throughput"] == 5.0
+    # verl's spelling takes n_gpus: 30 tokens / (3 s * 5 workers) = 2 tokens/s per worker
+    assert metric_utils.compute_throughout_metrics(
+        _batch(meta_info={"global_token_num": [10] * 3}), timing, n_gpus=5
+    )["perf/throughput"] == pytest.approx(2.0)
+
+
+def test_timing_reads_lengths_through_verls_response_info(monkeypatch):
+    info = metric_utils._compute_response_info(_batch())
+    assert info["prompt_length"].sum().item() == 6 and info["response_length"].sum().item() == 6
+    # code that patches the helper (as verl's tests do) changes what timing divides by
+    fake = {"prompt_length": torch.tensor([1.0]), "response_length": torch.tensor([4.0])}
+    monkeypatch.setattr(metric_utils, "_compute_response_info", lambda batch: fake)
+    m = compute_timing_metrics(_batch(), {"gen": 0.4, "ref": 0.5})
+    assert m["timing_per_token_ms/gen"] == pytest.approx(400 / 4) and m[
+        "timing_per_token_ms/ref"
+    ] == pytest.approx(500 / 5)
 
 
 def test_reduce_metrics():
