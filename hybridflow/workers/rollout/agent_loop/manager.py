@@ -20,6 +20,7 @@ does the same, naming the loop and the sample.
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -52,6 +53,9 @@ class AgentLoopManager:
         container = OmegaConf.to_container(config, resolve=True)
         worker_cls = ray.remote(num_cpus=0, max_concurrency=100_000)(AgentLoopWorker)
         env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
+        verl_compat = sys.modules.get("hybridflow.verl_compat")
+        if verl_compat is not None and verl_compat.is_installed():  # loops written for verl import there too
+            env["env_vars"]["HYBRIDFLOW_VERL_ALIAS"] = "1"
         self.workers = [
             worker_cls.options(runtime_env=env).remote(container, self.servers, self.server_names)
             for _ in range(int(agent.get("num_workers") or 1))
