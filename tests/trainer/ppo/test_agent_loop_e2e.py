@@ -2,8 +2,8 @@
 
 - the same seed gives the same samples as the synchronous rollout (each sample draws from its own
   stream, whichever rank or replica generates it), so the two modes train the same step;
-- a loop written for verl (verl's imports, through the verl alias), registered from a YAML, trains; rewards are
-  computed in the loop, ``agent_loop/*`` metrics are logged;
+- a loop written for verl (verl's imports, through the verl alias), registered from a YAML, trains;
+  rewards are computed in the loop, ``agent_loop/*`` metrics are logged;
 - a loop that raises, or a rank that dies mid-rollout, ends the run with an error naming it.
 """
 
