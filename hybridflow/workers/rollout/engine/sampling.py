@@ -34,11 +34,13 @@ class SamplingParams:
     # (this sequence's generated ids, its logits (V,)) -> logits: constrains or scripts generation;
     # reported log-probs are then those of the processed logits
     logits_processor: Callable[[list[int], torch.Tensor], torch.Tensor] | None = None
-    seed: int | None = (
-        None  # sample i draws from the stream (seed, seed_sample + i); None: the engine's generator
-    )
-    seed_sample: int = 0  # the stream number of this request's first sample (its place in the prompt's group)
-    seed_position: int = 0  # the stream position of this request's first new token (a resumed sample's)
+    # also report this many most likely (token, log-prob) alternatives per generated token
+    logprobs: int = 0
+    # seeded sampling streams (module docstring): sample i draws from stream (seed, seed_sample + i),
+    # starting at position seed_position (a resumed sample's); seed None: the engine's generator
+    seed: int | None = None
+    seed_sample: int = 0
+    seed_position: int = 0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

