@@ -35,6 +35,7 @@ RESPONSE_MASK = "response_mask"
 OLD_LOG_PROBS = "old_log_probs"
 REF_LOG_PROB = "ref_log_prob"
 ROLLOUT_LOG_PROBS = "rollout_log_probs"
+ROLLOUT_IS_WEIGHTS = "rollout_is_weights"
 VALUES = "values"
 TOKEN_LEVEL_SCORES = "token_level_scores"
 TOKEN_LEVEL_REWARDS = "token_level_rewards"
@@ -58,6 +59,9 @@ SCHEMA: dict[str, KeySpec] = {
         KeySpec(OLD_LOG_PROBS, "(B, T_r)", "float32", "log pi_old(a_t|s_t) from the behaviour policy"),
         KeySpec(REF_LOG_PROB, "(B, T_r)", "float32", "log pi_ref(a_t|s_t) from the frozen reference"),
         KeySpec(ROLLOUT_LOG_PROBS, "(B, T_r)", "float32", "log-probs reported by the rollout engine"),
+        KeySpec(
+            ROLLOUT_IS_WEIGHTS, "(B, T_r)", "float32", "rollout correction: truncated pi_old / pi_rollout"
+        ),
         KeySpec(VALUES, "(B, T_r)", "float32", "critic value V(s_t) per response token"),
         KeySpec(TOKEN_LEVEL_SCORES, "(B, T_r)", "float32", "reward-function score, on the last token"),
         KeySpec(TOKEN_LEVEL_REWARDS, "(B, T_r)", "float32", "scores minus the in-reward KL penalty"),

@@ -5,6 +5,7 @@ milliseconds. Every family is a ``Registry`` with one call signature; add an alg
 function, never by editing a dispatcher.
 """
 
+from hybridflow.algorithms import rollout_correction  # noqa: F401  (registers the "bypass_mode" loss)
 from hybridflow.algorithms.advantage import (
     ADV_ESTIMATORS,
     AdvantageFn,

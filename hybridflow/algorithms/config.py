@@ -41,8 +41,8 @@ class FilterGroupsConfig(BaseConfig):
 
 @dataclass
 class RolloutCorrectionConfig(BaseConfig):
-    """verl's rollout-vs-trainer policy mismatch correction settings, carried so that a verl config
-    loads; hybridflow's trainer does not apply them (``ppo_trainer.yaml`` has no such section)."""
+    """verl's rollout-vs-trainer policy mismatch correction settings (``algorithm.rollout_correction``;
+    applied by :mod:`hybridflow.algorithms.rollout_correction`)."""
 
     rollout_is: str | None = "sequence"
     rollout_is_threshold: float = 2.0

@@ -53,7 +53,7 @@ def run_ppo(config: DictConfig, worker_groups=None) -> dict[str, float]:
 
     from hybridflow.placement.planner import resolve_auto_placement
     from hybridflow.single_controller.ray import WorkerDiedError
-    from hybridflow.trainer.config import validate_config
+    from hybridflow.trainer.config import apply_rollout_correction_mode, validate_config
     from hybridflow.trainer.config.honesty import startup_notes
     from hybridflow.trainer.ppo.checkpointing import TrainerCheckpointer
     from hybridflow.trainer.ppo.workers_setup import ensure_ray
@@ -61,6 +61,7 @@ def run_ppo(config: DictConfig, worker_groups=None) -> dict[str, float]:
 
     OmegaConf.resolve(config)
     validate_config(config)
+    apply_rollout_correction_mode(config)  # before any worker receives its config
     for note in startup_notes(config) + resolve_auto_placement(config):  # (and the planner's choice)
         print(f"hybridflow: {note}", flush=True)
     torch.set_num_threads(1)  # the driver only moves batches and does light maths

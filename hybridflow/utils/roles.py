@@ -51,4 +51,11 @@ def update_computes_old_log_probs(config: DictConfig) -> bool:
         and int(actor.ppo_mini_batch_size) == int(config.data.train_batch_size)
         and not bool(config.algorithm.use_kl_in_reward)
         and not bool(config.actor_rollout_ref.rollout.get("use_rollout_log_probs", False))
+        and not rollout_correction_enabled(config)  # it compares old_log_probs with the rollout's first
     )
+
+
+def rollout_correction_enabled(config: DictConfig) -> bool:
+    """Whether ``algorithm.rollout_correction`` turns anything on (IS weights, rejection, bypass)."""
+    section = config.algorithm.get("rollout_correction") or {}
+    return bool(section.get("rollout_is") or section.get("rollout_rs") or section.get("bypass_mode"))

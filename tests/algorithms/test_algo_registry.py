@@ -72,7 +72,9 @@ def test_global_registries_contents():
             "grpo_passk",
         ]
     )
-    assert POLICY_LOSSES.names() == sorted(["vanilla", "gspo", "gpg", "cispo", "sapo", "clip_cov", "kl_cov"])
+    assert POLICY_LOSSES.names() == sorted(
+        ["vanilla", "gspo", "gpg", "cispo", "sapo", "clip_cov", "kl_cov", "bypass_mode"]
+    )
     assert LOSS_AGG_MODES.names() == sorted(
         ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
     )

@@ -14,7 +14,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 CONFIG_DIR = Path(__file__).parent  # the YAML files live beside this module
 
@@ -252,7 +252,34 @@ def _check_unsupported(config: DictConfig) -> list[str]:
         if path and not os.path.isfile(os.path.expanduser(str(path))):
             problems.append(f"rollout.multi_turn.tool_config_path: {path!r} is not a file")
     problems += _check_lora(config.actor_rollout_ref.model)
-    return problems + _agent_loop_problems(config)
+    return problems + _agent_loop_problems(config) + _rollout_correction_problems(config)
+
+
+def _rollout_correction_problems(config: DictConfig) -> list[str]:
+    from hybridflow.algorithms.rollout_correction import RolloutCorrection
+
+    section = config.algorithm.get("rollout_correction")
+    correction = RolloutCorrection.from_config(section) if section else None
+    if correction is None:
+        return []
+    problems = [f"algorithm.rollout_correction.{line}" for line in correction.problems()]
+    if not config.actor_rollout_ref.rollout.get("calculate_log_probs", True):
+        problems.append(
+            "algorithm.rollout_correction needs the rollout's log-probs: rollout.calculate_log_probs=true"
+        )
+    return problems
+
+
+def apply_rollout_correction_mode(config: DictConfig) -> None:
+    """``rollout_correction.bypass_mode``: the actor's policy loss becomes verl's ``bypass_mode`` loss and
+    carries the correction settings (set before the workers receive their config)."""
+    section = config.algorithm.get("rollout_correction")
+    if not section or not section.get("bypass_mode"):
+        return
+    policy_loss = config.actor_rollout_ref.actor.policy_loss
+    with open_dict(policy_loss):
+        policy_loss.loss_mode = "bypass_mode"
+        policy_loss.rollout_correction = OmegaConf.to_container(section, resolve=True)
 
 
 def _agent_loop_problems(config: DictConfig) -> list[str]:

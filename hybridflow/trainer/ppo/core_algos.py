@@ -175,3 +175,6 @@ def compute_entropy_loss(
 ) -> torch.Tensor:
     """Entropy of ``logits`` (B, T_r, V) aggregated under ``response_mask`` (B, T_r) (verl's helper)."""
     return agg_loss(entropy_from_logits(logits), response_mask, loss_agg_mode)
+
+
+# verl's bypass-mode loss (algorithm.rollout_correction.bypass_mode): hybridflow.algorithms.rollout_correction

@@ -30,6 +30,7 @@ from hybridflow.algorithms import (
     compute_advantage,
     get_kl_controller,
 )
+from hybridflow.algorithms.rollout_correction import RolloutCorrection
 from hybridflow.protocol import AUTO_PADDING_KEY, DataProto
 from hybridflow.trainer.ppo import metric_utils
 from hybridflow.trainer.ppo.checkpointing import TrainerCheckpointer
@@ -90,6 +91,7 @@ class RayPPOTrainer:
         self.old_log_probs_from_update = update_computes_old_log_probs(config)
         self.concurrent_phases = bool(config.trainer.get("concurrent_phases", True))
         self.rollout_manager = None  # rollout.mode=async: the agent loops' servers and workers
+        self.rollout_correction = RolloutCorrection.from_config(config.algorithm.get("rollout_correction"))
         self.rollout_backend = str(config.actor_rollout_ref.rollout.name)
         self.log_prob_gap_limit = gap_limit(config.actor_rollout_ref.rollout, computes_in_fp32(config))
 
@@ -281,7 +283,29 @@ class RayPPOTrainer:
         for output in run_phases([p for p in phases if p is not None], timing, self.concurrent_phases):
             if isinstance(output, DataProto):
                 batch.union(output)
+        if self.rollout_correction is not None and not self.rollout_correction.bypass_mode:
+            self.correct_for_the_rollout(batch, metrics)
         return batch
+
+    def correct_for_the_rollout(self, batch: DataProto, metrics: dict) -> None:
+        """``algorithm.rollout_correction`` (decoupled mode): IS weights π_old / π_rollout for the policy
+        loss and the rejection mask, from the recomputed ``old_log_probs`` and the rollout's own."""
+        from hybridflow.algorithms.rollout_correction import correct
+
+        if keys.ROLLOUT_LOG_PROBS not in batch.batch.keys():
+            raise ValueError(
+                "algorithm.rollout_correction needs the rollout's log-probs: rollout.calculate_log_probs=true"
+            )
+        weights, mask, found = correct(
+            batch.batch[keys.OLD_LOG_PROBS],
+            batch.batch[keys.ROLLOUT_LOG_PROBS],
+            batch.batch[keys.RESPONSE_MASK],
+            self.rollout_correction,
+        )
+        if weights is not None:
+            batch.batch[keys.ROLLOUT_IS_WEIGHTS] = weights
+        batch.batch[keys.RESPONSE_MASK] = mask
+        metrics.update(found)
 
     def compute_old_log_prob(self, batch: DataProto, metrics: dict) -> DataProto:
         """``old_log_probs`` (see :meth:`old_log_prob_phase`), waited for."""
@@ -297,6 +321,11 @@ class RayPPOTrainer:
         if self.old_log_probs_from_update:  # see update_computes_old_log_probs: no forward needed
             return None
         rollout_log_probs = batch.batch.get(keys.ROLLOUT_LOG_PROBS, None)
+        if self.rollout_correction is not None and self.rollout_correction.bypass_mode:
+            if rollout_log_probs is None:
+                raise ValueError("rollout_correction.bypass_mode needs rollout.calculate_log_probs=true")
+            batch.batch[keys.OLD_LOG_PROBS] = rollout_log_probs.clone()  # π_old := π_rollout, no forward
+            return None
         rollout_cfg = self.config.actor_rollout_ref.rollout
         use_rollout = bool(rollout_cfg.get("use_rollout_log_probs", False)) and rollout_log_probs is not None
         check_freq = int(rollout_cfg.get("log_prob_parity_check_freq", 10))

@@ -151,6 +151,7 @@ class DataParallelPPOActor:
             log_prob=log_probs,
             advantages=micro.batch[keys.ADVANTAGES],
             response_mask=mask,
+            rollout_is_weights=micro.batch.get(keys.ROLLOUT_IS_WEIGHTS, None),  # rollout correction
         )
         loss_config = dataclasses.replace(
             self.loss_config,
