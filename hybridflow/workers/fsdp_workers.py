@@ -31,7 +31,7 @@ from hybridflow.workers.rollout.base import get_rollout_cls
 from hybridflow.workers.rollout.engine.parallel import SINGLE, GenerationShard
 from hybridflow.workers.rollout.engine.reshard import ReshardLayout
 
-ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
+ROLES = ("actor", "rollout", "ref", "actor_ref", "actor_rollout", "actor_rollout_ref")
 
 # Data methods dispatch by the dp rank each worker declares for its model's mesh (register_meshes).
 ACTOR_DISPATCH = make_nd_compute_dataproto_dispatch_fn("actor")
@@ -176,9 +176,9 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             raise ValueError(f"unknown role {role!r}; use one of {ROLES}")
         self.config = _own_copy(config)
         self.role = role
-        self._is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref")
+        self._is_actor = role in ("actor", "actor_ref", "actor_rollout", "actor_rollout_ref")
         self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
-        self._is_ref = role in ("ref", "actor_rollout_ref")
+        self._is_ref = role in ("ref", "actor_ref", "actor_rollout_ref")
         self.actor_tp = _tp_size(self.config.actor)
         self.ref_tp = _tp_size(self.config.ref)
         self.rollout_tp = _tp_size(self.config.rollout)
@@ -305,6 +305,26 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         metrics["generate_sequences"] = time.perf_counter() - start
         output.meta_info["metrics"] = metrics
         return output
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def actor_weights(self) -> dict | None:
+        """The actor's full weights under their HF names (a LoRA adapter merged in) as numpy arrays, on
+        rank 0 (None elsewhere): what a standalone rollout replica loads. A collective: every rank
+        gathers the same FSDP units, one at a time."""
+        import torch
+
+        from hybridflow.workers.lora import merged_hf_weights
+        from hybridflow.workers.rollout.engine.weight_sync import iter_parameter_buckets
+
+        found = {}
+        with torch.no_grad():
+            for bucket, _ in iter_parameter_buckets(self.actor_module):
+                for name, tensor in merged_hf_weights(self.actor_module, bucket):
+                    if self.rank == 0:
+                        found[name] = (
+                            tensor.detach().to("cpu", torch.float32, copy=True).numpy()
+                        )  # a copy: numpy pins storage
+        return found if self.rank == 0 else None
 
     # ------------------------------------------------------------------ server mode (rollout.mode=async)
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -139,6 +139,7 @@ class RayPPOTrainer:
         while self.global_steps < self.total_training_steps and not self.stop.requested:
             self.global_steps += 1
             metrics = self.fit_step(data_iter)
+            metrics.update(self.after_update())
             self._stop_when_out_of_time(time.monotonic() - start, self.global_steps - first_step, progress)
             if self._is_due(self.config.trainer.test_freq) and self.val_reward_fn is not None:
                 if not self.stop.requested:  # preempted: the grace period is for the save
@@ -430,6 +431,11 @@ class RayPPOTrainer:
         from hybridflow.trainer.ppo.generations import dump_rollouts
 
         dump_rollouts(self, batch)
+
+    def after_update(self) -> dict[str, float]:
+        """Hook after each step's update, before validation and the save (the asynchronous trainer
+        moves its weights to the rollouter here). Returns metrics for the step."""
+        return {}
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:

@@ -21,15 +21,9 @@ def rollout_with_uids(
 
     Only the prompt tensors travel to the rollout workers; the rest of the batch (ground truths, data
     sources, ...) stays on the controller and is re-attached to the output."""
-    uids = [str(uuid.uuid4()) for _ in range(len(prompts))]
-    prompts.non_tensor_batch[keys.UID] = np.array(uids, dtype=object)
-    prompts = prompts.repeat(n, interleave=True)
-    if getattr(actor_rollout, "needs_all_fields", False):  # agent loops read the samples' dataset fields
-        fields = list(prompts.non_tensor_batch)
-    else:  # rollout workers: the prompt, multi-turn tools, and the dataset index (the sampling streams)
-        fields = [key for key in ("tools_kwargs", "index") if key in prompts.non_tensor_batch]
-    gen_input = prompts.select(batch_keys=PROMPT_INPUT_KEYS, non_tensor_batch_keys=fields, meta_info_keys=[])
-    gen_input.meta_info = dict(meta_info)
+    prompts, gen_input = rollout_input(
+        prompts, n, meta_info, getattr(actor_rollout, "needs_all_fields", False)
+    )
     with marked_timer("generate_call", timing):  # the driver's wall for the call (dispatch included)
         output = actor_rollout.generate_sequences(gen_input)
     for key, values in output.meta_info.pop("metrics", {}).items():
@@ -37,8 +31,31 @@ def rollout_with_uids(
             timing[key] = sum(values) / len(values)
         elif metrics is not None:  # e.g. perf/update_weights_peak_extra_mb: the worst rank
             metrics[key] = max(values)
+    return join_rollout(prompts, output)
+
+
+def rollout_input(
+    prompts: DataProto, n: int, meta_info: dict, all_fields: bool
+) -> tuple[DataProto, DataProto]:
+    """``(the prompt rows with a uid each, repeated n times; what goes to the rollout)``. Agent loops
+    (``all_fields``) get every dataset field; rollout workers the prompt, the multi-turn tools and the
+    dataset index (the sampling streams)."""
+    uids = [str(uuid.uuid4()) for _ in range(len(prompts))]
+    prompts.non_tensor_batch[keys.UID] = np.array(uids, dtype=object)
+    prompts = prompts.repeat(n, interleave=True)
+    if all_fields:
+        fields = list(prompts.non_tensor_batch)
+    else:
+        fields = [key for key in ("tools_kwargs", "index") if key in prompts.non_tensor_batch]
+    gen_input = prompts.select(batch_keys=PROMPT_INPUT_KEYS, non_tensor_batch_keys=fields, meta_info_keys=[])
+    gen_input.meta_info = dict(meta_info)
+    return prompts, gen_input
+
+
+def join_rollout(prompts: DataProto, output: DataProto) -> DataProto:
+    """The repeated prompt rows with the rollout's output joined in (its prompt tensors replace the
+    rows'; a field the rows already hold is the rows')."""
     prompts.pop(batch_keys=PROMPT_INPUT_KEYS)
-    output.meta_info.pop("partial_outputs", None)  # aborted samples are the asynchronous trainer's business
     for key in list(output.non_tensor_batch):
         if key in prompts.non_tensor_batch:  # the agent loops' copy of a field the driver kept
             output.non_tensor_batch.pop(key)

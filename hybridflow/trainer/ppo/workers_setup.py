@@ -203,8 +203,12 @@ def shutdown_ray() -> None:
         _REAPER = None
 
 
-def actor_role(use_reference: bool) -> str:
-    return "actor_rollout_ref" if use_reference else "actor_rollout"
+def actor_role(use_reference: bool, hybrid: bool = True) -> str:
+    """The actor worker's role: with the rollout engine in its process (``hybrid``, verl's hybrid
+    engine) or without (the asynchronous trainer's pool), with or without the reference."""
+    if hybrid:
+        return "actor_rollout_ref" if use_reference else "actor_rollout"
+    return "actor_ref" if use_reference else "actor"
 
 
 def build_resource_pool(
@@ -222,7 +226,9 @@ def build_resource_pool(
     )
 
 
-def role_classes(config: DictConfig, placement: Placement) -> dict[str, RayClassWithInitArgs]:
+def role_classes(
+    config: DictConfig, placement: Placement, hybrid: bool = True
+) -> dict[str, RayClassWithInitArgs]:
     """The worker class of each role in ``placement``. The reference rides in the actor's worker
     (``actor_rollout_ref``) when both share a pool, else it is a worker of its own (role ``ref``)."""
     from hybridflow.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
@@ -231,7 +237,7 @@ def role_classes(config: DictConfig, placement: Placement) -> dict[str, RayClass
     ref_with_actor = "ref" in roles and roles["ref"] == roles["actor_rollout"]
     classes = {
         "actor_rollout": RayClassWithInitArgs(
-            ActorRolloutRefWorker, config.actor_rollout_ref, role=actor_role(ref_with_actor)
+            ActorRolloutRefWorker, config.actor_rollout_ref, role=actor_role(ref_with_actor, hybrid)
         )
     }
     if "ref" in roles and not ref_with_actor:
@@ -247,12 +253,15 @@ def role_classes(config: DictConfig, placement: Placement) -> dict[str, RayClass
     return classes
 
 
-def build_worker_groups(config: DictConfig, use_critic: bool, use_reference: bool) -> WorkerGroups:
+def build_worker_groups(
+    config: DictConfig, use_critic: bool, use_reference: bool, hybrid: bool = True
+) -> WorkerGroups:
     """One worker group per resource pool, holding the roles placed on it; returns the role views.
-    The processes start in the background (the groups do not wait for them)."""
+    The processes start in the background (the groups do not wait for them). ``hybrid=False``: the
+    actor's workers hold no rollout engine (the asynchronous trainer generates on a pool of its own)."""
     rm = bool(config.reward_model.enable)
     placement = _with_roles(placement_from_config(config), use_critic, use_reference, rm)
-    classes = role_classes(config, placement)
+    classes = role_classes(config, placement, hybrid)
     env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
     pools, views = {}, {}
     for pool, counts in placement.pools.items():

@@ -73,6 +73,7 @@ class LLMServer:
         self._wake = asyncio.Event()
         self._stop = False
         self._failed: str | None = None
+        self._aborting = False  # after abort_all, until start_serving: new requests end at once
         self.served = 0
 
     # ------------------------------------------------------------------ clients (agent loops)
@@ -90,6 +91,8 @@ class LLMServer:
             raise ReplicaError(f"{self.name}: multi-modal inputs are not supported")
         if self._failed is not None:
             raise ReplicaError(self._failed)
+        if self._aborting:  # a partial-rollout pause: the sample stops where it stands
+            return TokenOutput(token_ids=[], log_probs=[], stop_reason="aborted")
         if request_id in self._futures:
             raise ReplicaError(f"{self.name}: request id {request_id!r} is already in flight")
         unknown = sorted(set(sampling_params or {}) - set(SAMPLING_KEYS))
@@ -115,7 +118,10 @@ class LLMServer:
             self._wake.set()
 
     async def abort_all(self) -> int:
-        """Abort every request in flight (partial rollout); returns how many there were."""
+        """Abort every request in flight (partial rollout), and end any that arrives until the next
+        :meth:`start_serving` (a multi-turn sample between turns stops too); returns how many were in
+        flight."""
+        self._aborting = True
         count = len(self._futures)
         for request_id in list(self._futures):
             await self.abort(request_id)
@@ -173,6 +179,7 @@ class LLMServer:
     async def start_serving(self) -> None:
         """Accept requests again after :meth:`stop_serving` (a new rollout phase)."""
         self._stop = False
+        self._aborting = False
 
     async def stop_serving(self) -> None:
         """Let the engine's serve loop return once it holds no request."""

@@ -65,30 +65,43 @@ class AgentLoopManager:
     # ------------------------------------------------------------------ one batch
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Prompt rows (repeated ``n`` times, with their dataset fields) → the rollout batch."""
-        import ray
-
         start = time.perf_counter()
-        sync_metrics = self.worker_group.rollout_wake_up()
-        ray.get([server.start_serving.remote() for server in self.servers])
-        serving = self.worker_group.serve_requests_async(self.servers)  # one long call per rank
-        serve_refs = [serving.rank_refs[rank] for rank in sorted(serving.rank_refs)]
+        sync_metrics, serve_refs = self.start_serving()
         chunks = prompts.split(_even_sizes(len(prompts), len(self.workers)))
-        refs = [
-            worker.generate_sequences.remote(chunk)
-            for worker, chunk in zip(self.workers, chunks, strict=True)
-            if len(chunk)
-        ]
+        refs = [w.generate_sequences.remote(c) for w, c in zip(self.workers, chunks, strict=True) if len(c)]
         try:
             outputs = self._wait(refs, serve_refs)
         finally:
-            ray.get([server.stop_serving.remote() for server in self.servers])
-            served = self._finish_serving(serve_refs)
-            self.worker_group.rollout_sleep()
+            served = self.stop_serving(serve_refs)
         output = concat_rows(outputs)
         output.meta_info["metrics"] = self._metrics(
             outputs, output, sync_metrics, served, time.perf_counter() - start
         )
         return output
+
+    def start_serving(self) -> tuple[list, list]:
+        """Wake the replicas (weights in, KV caches at full size) and start their serve loops; returns
+        the wake-up metrics and one serve-loop future per replica (:meth:`stop_serving` ends them)."""
+        import ray
+
+        sync_metrics = self.worker_group.rollout_wake_up()
+        ray.get([server.start_serving.remote() for server in self.servers])
+        serving = self.worker_group.serve_requests_async(self.servers)  # one long call per rank
+        return sync_metrics, [serving.rank_refs[rank] for rank in sorted(serving.rank_refs)]
+
+    def stop_serving(self, serve_refs: list) -> list[dict]:
+        """Let every serve loop return once its engine holds no request; the replicas sleep."""
+        import ray
+
+        ray.get([server.stop_serving.remote() for server in self.servers])
+        served = self._finish_serving(serve_refs)
+        self.worker_group.rollout_sleep()
+        return served
+
+    def generate_async(self, prompts: DataProto, worker: int = 0):
+        """One agent-loop worker's call on ``prompts`` (an ObjectRef of the output); the servers must be
+        serving (:meth:`start_serving`). The asynchronous rollouter streams groups through this."""
+        return self.workers[worker % len(self.workers)].generate_sequences.remote(prompts)
 
     def _wait(self, refs: list, serve_refs: list) -> list[DataProto]:
         """The chunks' outputs; a serve loop that ends early (its rank died) fails its server at once, so
@@ -179,17 +192,13 @@ def _even_sizes(rows: int, parts: int) -> list[int]:
 
 def concat_rows(outputs: list[DataProto]) -> DataProto:
     """Concatenate chunk outputs whose prompt widths may differ (a loop may lengthen its prompt): each
-    is left-padded to the widest first. Partial outputs are re-keyed by their row in the whole batch."""
+    is left-padded to the widest first (the chunks' loop outputs of aborted samples are dropped: a batch
+    rollout is not resumed)."""
     width = max(out.batch[keys.PROMPTS].shape[1] for out in outputs)
-    partials, offset = {}, 0
     for out in outputs:
-        for row, partial in out.meta_info.pop("partial_outputs", {}).items():
-            partials[offset + row] = partial
-        offset += len(out)
+        out.meta_info.pop("loop_outputs", None)
         left_pad_prompts(out, width)
-    merged = DataProto.concat(outputs)
-    merged.meta_info["partial_outputs"] = partials
-    return merged
+    return DataProto.concat(outputs)
 
 
 def left_pad_prompts(data: DataProto, width: int, pad_id: int = 0) -> None:

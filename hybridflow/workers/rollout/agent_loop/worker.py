@@ -115,7 +115,7 @@ class AgentLoopWorker:
             else [self.default_agent_loop] * rows
         )
         seeds = self._seeds(batch, params)
-        partials = meta.get("partial_outputs") or {}
+        partials = meta.get("partial_outputs") or {}  # row -> its output so far (a resumed chunk)
         tasks = [
             asyncio.create_task(self._run_row(batch, row, names[row], params, seeds[row], partials.get(row)))
             for row in range(rows)
@@ -152,6 +152,9 @@ class AgentLoopWorker:
         sample_params = dict(params) if seed is None else {**params, **seed}
         uid = fields.get(keys.UID)
         fields.setdefault("sample_id", f"{uid or uuid.uuid4().hex}-{row}")
+        if partial is not None and not partial.extra_fields.get("is_partial"):
+            output = partial  # a sample that had finished when its group was stopped: kept as it is
+            return output, await self._maybe_score(batch, row, output)
         if partial is not None:
             fields["partial_output"] = partial
         try:
@@ -176,14 +179,14 @@ class AgentLoopWorker:
             raise AgentLoopError(
                 f"agent loop {name!r} returned {type(output).__name__}, not AgentLoopOutput (row {row})"
             )
-        score = None
-        if (
-            output.reward_score is None
-            and self.reward_fn is not None
-            and not output.extra_fields.get("is_partial")
-        ):
-            score = await asyncio.to_thread(self._score, batch, row, output)
-        return output, score
+        return output, await self._maybe_score(batch, row, output)
+
+    async def _maybe_score(self, batch: DataProto, row: int, output: AgentLoopOutput):
+        """The sample's reward (in a thread, so other samples keep going), unless the loop scored
+        itself, a reward model scores, or the sample is unfinished (aborted)."""
+        if output.reward_score is not None or self.reward_fn is None or output.extra_fields.get("is_partial"):
+            return None
+        return await asyncio.to_thread(self._score, batch, row, output)
 
     # ------------------------------------------------------------------ assembling the chunk
     def _prompt_rows(self, outputs: list[AgentLoopOutput], width: int) -> DataProto:
@@ -287,10 +290,9 @@ class AgentLoopWorker:
             out.meta_info["reward_extra_keys"] = sorted(extras)
         out.non_tensor_batch.update(columns)
         out.meta_info["metrics"] = [o.metrics.model_dump() for o in outputs]
-        # aborted samples' outputs, for a later resume (partial rollout): row -> AgentLoopOutput
-        out.meta_info["partial_outputs"] = {
-            r: o for r, o in enumerate(outputs) if o.extra_fields.get("is_partial")
-        }
+        # a chunk with aborted samples (partial rollout) hands back every row's output, for a resume
+        if any(o.extra_fields.get("is_partial") for o in outputs):
+            out.meta_info["loop_outputs"] = list(outputs)
         out.meta_info["replica_requests"] = self.server_manager.load()
         return out
 

@@ -1,0 +1,208 @@
+"""The rollouter: streams prompt groups through the agent loops on the rollout pool, on its own thread.
+
+It takes prompts in data order, one group (a prompt and its ``rollout.n`` responses) at a time, and
+runs each as soon as it is admitted, so the replicas always hold as many requests as the budget
+allows; finished groups go to the :class:`~.message_queue.GroupQueue` with the parameter versions that
+generated them.
+
+**Admission (verl's staleness bound).** Since the last parameter sync at most
+``(1 + staleness_threshold) x trigger_parameter_sync_step x require_batches x ppo_mini_batch_size``
+groups may be admitted, counting those still in flight or queued at the sync; past it the rollouter
+waits. With ``staleness_threshold=0`` and a sync every update, a step's groups are exactly the ones
+generated with the weights of the step before (on-policy).
+
+**Pause for a sync.** With ``partial_rollout`` every request in flight is aborted (each returns what it
+generated, with its log-probs) and the groups wait to be resumed under the new weights, where they
+stopped; without it the groups in flight finish first (drain). Then the serve loops stop, the weights
+move (:mod:`.param_sync`), and :meth:`Rollouter.resume` starts serving again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+
+from hybridflow.protocol import DataProto
+from hybridflow.trainer.fully_async.message_queue import GroupQueue, RolloutGroup
+from hybridflow.trainer.ppo.rollouts import join_rollout, rollout_input
+
+
+class Rollouter:
+    """``manager``: an :class:`~hybridflow.workers.rollout.agent_loop.manager.AgentLoopManager` over the
+    rollout pool; ``prompts``: an iterator of ``(one-prompt DataProto, epoch)`` in data order;
+    ``max_groups``: the admission bound per parameter version."""
+
+    def __init__(
+        self, manager, prompts, queue: GroupQueue, n: int, max_groups: int, partial_rollout: bool
+    ) -> None:
+        self.manager, self.prompts, self.queue = manager, prompts, queue
+        self.n, self.max_groups, self.partial_rollout = int(n), int(max_groups), bool(partial_rollout)
+        self.version = 0
+        self.admitted = 0  # groups admitted in all (the next group's seq)
+        self.admitted_since_sync = 0  # verl's staleness_samples
+        self.in_flight: dict[int, asyncio.Task] = {}
+        self.to_resume: deque = (
+            deque()
+        )  # groups aborted mid-flight: (seq, rows, gen_input, preempted, outputs)
+        self.paused = False
+        self.stopping = False
+        self.stats = {"generated": 0, "partial_samples": 0, "idle_s": 0.0, "window_start": time.monotonic()}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._serving: list = []
+        self._thread = threading.Thread(target=self._thread_main, name="rollouter", daemon=True)
+        self._started = threading.Event()
+
+    # ------------------------------------------------------------------ the trainer's side (other thread)
+    def start(self, version: int, start_seq: int = 0) -> None:
+        """Start serving and streaming; the first group gets number ``start_seq`` (a resumed run)."""
+        self.version, self.admitted = int(version), int(start_seq)
+        self._thread.start()
+        self._started.wait()
+
+    def pause(self) -> None:
+        """Stop admitting, abort (partial rollout) or drain what is in flight, stop serving."""
+        self._call(self._pause())
+
+    def resume(self, version: int) -> None:
+        """Serve again with the replicas' new weights (``version``) and admit up to the new budget."""
+        self._call(self._resume(int(version)))
+
+    def stop(self) -> None:
+        """End streaming (the run is over or failed): abort what is in flight, stop serving."""
+        if self._loop is not None and self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._request_stop(), self._loop)
+            self._thread.join(timeout=120)
+
+    def _call(self, coroutine):
+        if self._loop is None:
+            raise RuntimeError("the rollouter is not running")
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def metrics(self) -> dict[str, float]:
+        """``fully_async/*`` counters of the rollouter (verl's names)."""
+        window = max(time.monotonic() - self.stats["window_start"], 1e-9)
+        return {
+            "fully_async/count/total_generated_samples": float(self.stats["generated"]),
+            "fully_async/count/staleness_samples": float(self.admitted_since_sync),
+            "fully_async/count/current_param_version": float(self.version),
+            "fully_async/count/queued_groups": float(self.queue.size()),
+            "fully_async/count/in_flight_groups": float(len(self.in_flight)),
+            "fully_async/partial/total_partial_num": float(self.stats["partial_samples"]),
+            "fully_async/rollouter/idle_ratio": min(self.stats["idle_s"] / window, 1.0),
+        }
+
+    # ------------------------------------------------------------------ the rollouter's thread
+    def _thread_main(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as error:  # the trainer learns why at its next take
+            self.queue.fail(RuntimeError(f"the rollouter failed: {type(error).__name__}: {error}"))
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._cond = asyncio.Condition()
+        try:
+            self._serving = (await asyncio.to_thread(self.manager.start_serving))[1]
+        finally:
+            self._started.set()
+        exhausted = False
+        while not self.stopping:
+            async with self._cond:
+                idle_from = time.monotonic()
+                await self._cond.wait_for(self._can_admit)
+                self.stats["idle_s"] += time.monotonic() - idle_from
+            if self.stopping:
+                break
+            if self.to_resume:
+                seq, rows, gen_input, preempted, outputs = self.to_resume.popleft()
+                self._launch(seq, rows, gen_input, preempted, outputs)
+                continue
+            if exhausted:
+                async with self._cond:
+                    await self._cond.wait_for(lambda: self.stopping or bool(self.to_resume))
+                continue
+            try:
+                prompt, epoch = next(self.prompts)
+            except StopIteration:
+                exhausted = True
+                continue
+            rows, gen_input = rollout_input(
+                prompt, self.n, {"epoch": epoch, "global_steps": self.version}, True
+            )
+            seq = self.admitted
+            self.admitted += 1
+            self.admitted_since_sync += 1
+            self._launch(seq, rows, gen_input, 0, None)
+        if self._serving:  # stopping: what is in flight ends where it stands
+            await asyncio.to_thread(self.manager.abort_all)
+            await asyncio.gather(*list(self.in_flight.values()), return_exceptions=True)
+            await asyncio.to_thread(self.manager.stop_serving, self._serving)
+            self._serving = []
+
+    def _can_admit(self) -> bool:
+        if self.stopping:
+            return True
+        if self.paused:
+            return False
+        return bool(self.to_resume) or self.admitted_since_sync < self.max_groups
+
+    def _launch(self, seq: int, rows: DataProto, gen_input: DataProto, preempted: int, outputs) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self._run_group(seq, rows, gen_input, preempted, outputs)
+        )
+        self.in_flight[seq] = task
+
+    async def _run_group(self, seq, rows, gen_input, preempted, outputs) -> None:
+        """Generate one group (resuming its aborted samples when ``outputs`` is given) and queue it,
+        or keep it for a resume when a pause aborted it."""
+        try:
+            call_input = gen_input.select()  # a copy: the group may be sent again after an abort
+            call_input.meta_info = {**gen_input.meta_info, "partial_outputs": outputs or {}}
+            output = await self.manager.generate_async(call_input, worker=seq)
+            loop_outputs = output.meta_info.pop("loop_outputs", None)
+            if loop_outputs is not None:  # aborted mid-flight: resume it under the next weights
+                self.stats["partial_samples"] += sum(
+                    bool(o.extra_fields.get("is_partial")) for o in loop_outputs
+                )
+                self.to_resume.append((seq, rows, gen_input, preempted + 1, dict(enumerate(loop_outputs))))
+            else:
+                batch = join_rollout(rows.select(), output)
+                versions = [list(v) for v in batch.non_tensor_batch.get("weight_versions", [[]] * len(batch))]
+                group = RolloutGroup(
+                    seq, batch, int(gen_input.meta_info["global_steps"]), versions, preempted
+                )
+                await asyncio.to_thread(self.queue.put, group)
+                self.stats["generated"] += 1
+        except BaseException as error:
+            self.queue.fail(RuntimeError(f"rollout group {seq} failed: {type(error).__name__}: {error}"))
+            raise
+        finally:
+            self.in_flight.pop(seq, None)
+            async with self._cond:
+                self._cond.notify_all()
+
+    async def _pause(self) -> None:
+        async with self._cond:
+            self.paused = True
+        if self.partial_rollout:
+            await asyncio.to_thread(self.manager.abort_all)
+        await asyncio.gather(*list(self.in_flight.values()), return_exceptions=True)
+        await asyncio.to_thread(self.manager.stop_serving, self._serving)
+        self._serving = []
+
+    async def _resume(self, version: int) -> None:
+        self.version = version
+        self._serving = (await asyncio.to_thread(self.manager.start_serving))[1]
+        async with self._cond:
+            # verl's reset: what was generated or is waiting and not yet trained counts against the budget
+            self.admitted_since_sync = len(self.in_flight) + len(self.to_resume) + self.queue.size()
+            self.paused = False
+            self.stats["idle_s"], self.stats["window_start"] = 0.0, time.monotonic()
+            self._cond.notify_all()
+
+    async def _request_stop(self) -> None:
+        async with self._cond:
+            self.stopping = True
+            self._cond.notify_all()
