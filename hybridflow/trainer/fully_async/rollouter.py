@@ -168,6 +168,7 @@ class Rollouter:
                 )
                 self.to_resume.append((seq, rows, gen_input, preempted + 1, dict(enumerate(loop_outputs))))
             else:
+                output.meta_info = {}  # per-call details (the samples' loop timings): the groups concatenate
                 batch = join_rollout(rows.select(), output)
                 versions = [list(v) for v in batch.non_tensor_batch.get("weight_versions", [[]] * len(batch))]
                 group = RolloutGroup(

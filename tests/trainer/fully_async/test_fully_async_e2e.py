@@ -103,7 +103,7 @@ def test_stale_partial_rollouts_with_token_is(ray_session, vllm_model_dir, arith
             "async_training.use_rollout_log_probs": False,
             "algorithm.rollout_correction.rollout_is": "token",
             "trainer.total_training_steps": 4,
-            "data.max_response_length": 24,
+            "data.max_response_length": 40,
             "actor_rollout_ref.rollout.ignore_eos": True,  # long samples: a sync lands while they run
         },
     )
@@ -121,4 +121,136 @@ def test_stale_partial_rollouts_with_token_is(ray_session, vllm_model_dir, arith
         ):
             assert math.isfinite(record[key]), key
     assert any(record["fully_async/staleness/max"] == 1 for record in metrics.values())  # it did run ahead
+    assert any(record["fully_async/partial/partial_ratio"] > 0 for record in metrics.values())  # and resumed
     assert metrics[4]["timing_s/param_sync"] > 0
+
+
+ON_POLICY = {
+    "async_training.staleness_threshold": 0,
+    "async_training.trigger_parameter_sync_step": 1,
+    "async_training.use_rollout_log_probs": False,
+}
+
+
+def test_a_resumed_run_continues_with_the_next_prompts(
+    ray_session, vllm_model_dir, arithmetic_data, tmp_path
+):
+    """Checkpoints hold the groups trained and the parameter version: a run resumed at step 2 trains
+    steps 3 and 4 on the prompts (and, on-policy, the very samples) of the uninterrupted run."""
+    whole = _values(
+        vllm_model_dir,
+        arithmetic_data,
+        tmp_path,
+        "whole",
+        **ON_POLICY,
+        **{"trainer.total_training_steps": 4, "trainer.save_freq": 2},
+    )
+    _run_fully_async(whole, tmp_path)
+    resumed = {
+        **_values(
+            vllm_model_dir,
+            arithmetic_data,
+            tmp_path,
+            "resumed",
+            **ON_POLICY,
+            **{"trainer.total_training_steps": 4},
+        ),
+        "trainer.resume_mode": "resume_path",
+        "trainer.resume_from_path": str(tmp_path / "ckpt" / "global_step_2"),
+    }
+    _run_fully_async(resumed, tmp_path)
+    assert sorted(_metrics(tmp_path, "resumed")) == [3, 4]
+    for step in (3, 4):
+        assert _rollouts(tmp_path, "resumed", step) == _rollouts(tmp_path, "whole", step)
+    assert _metrics(tmp_path, "resumed")[3]["fully_async/count/groups_trained"] == 12
+
+
+def _trained_prompts(tmp, name, step) -> list[str]:
+    return sorted(row[0] for row in _rollouts(tmp, name, step))
+
+
+def test_slow_samples_and_slow_updates_keep_the_bound_and_the_data(
+    ray_session, vllm_model_dir, arithmetic_data, tmp_path, monkeypatch
+):
+    """Slow generations (every third prompt waits) and slow updates: every trained sample's version gap
+    stays within the bound, each step trains the same prompts as the run without delays (oldest first,
+    nothing dropped), so the trained response length does not drift toward the fast samples."""
+    from hybridflow.trainer.fully_async.trainer import FullyAsyncTrainer
+
+    stale = {
+        "async_training.staleness_threshold": 1,
+        "async_training.partial_rollout": True,
+        "async_training.use_rollout_log_probs": False,
+        "algorithm.rollout_correction.rollout_is": "token",
+        "trainer.total_training_steps": 4,
+    }
+    _run_fully_async(_values(vllm_model_dir, arithmetic_data, tmp_path, "plain", **stale), tmp_path)
+    loop = "tests.workers.rollout.verl_style_agent_loops.SlowSingleTurnAgentLoop"
+    (tmp_path / "loops.yaml").write_text(f"- name: slow\n  _target_: {loop}\n  delay_s: 0.4\n")
+    slow_update = FullyAsyncTrainer.after_update
+
+    def after_a_slow_update(self):
+        import time
+
+        time.sleep(0.3)
+        return slow_update(self)
+
+    monkeypatch.setattr(FullyAsyncTrainer, "after_update", after_a_slow_update)
+    delayed = {
+        **stale,
+        "actor_rollout_ref.rollout.agent.agent_loop_config_path": str(tmp_path / "loops.yaml"),
+        "actor_rollout_ref.rollout.agent.default_agent_loop": "slow",
+    }
+    _run_fully_async(_values(vllm_model_dir, arithmetic_data, tmp_path, "delayed", **delayed), tmp_path)
+    plain, slow = _metrics(tmp_path, "plain"), _metrics(tmp_path, "delayed")
+    for step in (1, 2, 3, 4):
+        assert slow[step]["fully_async/staleness/max"] <= 1
+        assert _trained_prompts(tmp_path, "delayed", step) == _trained_prompts(tmp_path, "plain", step)
+    mean_length = [sum(m[s]["response_length/mean"] for s in m) / len(m) for m in (plain, slow)]
+    assert mean_length[1] == pytest.approx(mean_length[0], rel=0.05)
+
+
+def test_a_killed_rollout_process_ends_the_run_with_an_error_naming_it(
+    ray_session, vllm_model_dir, arithmetic_data, tmp_path
+):
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    values = _values(
+        vllm_model_dir,
+        arithmetic_data,
+        tmp_path,
+        "killed",
+        **ON_POLICY,
+        **{"trainer.total_training_steps": 50},
+    )
+    failure: list[BaseException] = []
+
+    def run():
+        try:
+            _run_fully_async(values, tmp_path)
+        except BaseException as error:  # the test inspects it
+            failure.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    metrics = tmp_path / "outputs" / "hybridflow" / "killed" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert time.monotonic() < deadline and thread.is_alive(), "the run did not reach its first step"
+        time.sleep(0.2)
+    (victim,) = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "StandaloneRolloutWorker" in " ".join(p.info["cmdline"] or [])
+    ]
+    killed_at = time.monotonic()
+    victim.send_signal(signal.SIGKILL)
+    thread.join(timeout=90)
+    assert not thread.is_alive(), "the run hung after its rollout process died"
+    assert time.monotonic() - killed_at < 60
+    (error,) = failure
+    assert "rollout" in str(error) and ("replica 0" in str(error) or "rank 0" in str(error)), str(error)

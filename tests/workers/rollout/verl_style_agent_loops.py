@@ -6,7 +6,7 @@ import signal
 from typing import Any
 from uuid import uuid4
 
-from hybridflow.workers.rollout.agent_loop import AgentLoopBase, AgentLoopOutput
+from hybridflow.workers.rollout.agent_loop import AgentLoopBase, AgentLoopOutput, SingleTurnAgentLoop
 
 
 class FailingAgentLoop(AgentLoopBase):
@@ -58,3 +58,19 @@ class KillingAgentLoop(AgentLoopBase):
             num_turns=2,
             metrics={},
         )
+
+
+class SlowSingleTurnAgentLoop(SingleTurnAgentLoop):
+    """The built-in single turn, but every third prompt (by dataset index) waits ``delay_s`` first: a
+    long tail of slow samples."""
+
+    def __init__(self, *args, delay_s: float = 0.3, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.delay_s = delay_s
+
+    async def run(self, sampling_params, **kwargs):
+        import asyncio
+
+        if int(kwargs["index"]) % 3 == 0:
+            await asyncio.sleep(self.delay_s)
+        return await super().run(sampling_params, **kwargs)

@@ -293,7 +293,6 @@ class AgentLoopWorker:
         # a chunk with aborted samples (partial rollout) hands back every row's output, for a resume
         if any(o.extra_fields.get("is_partial") for o in outputs):
             out.meta_info["loop_outputs"] = list(outputs)
-        out.meta_info["replica_requests"] = self.server_manager.load()
         return out
 
 
