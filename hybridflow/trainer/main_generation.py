@@ -200,6 +200,14 @@ def build_engine(config: DictConfig):
     module = load_hf_model(config.model, "causal_lm", dtype).to(str(config.trainer.device)).eval()
     model = EngineModel.from_hf_module(module, engine_max_len(config.rollout), dtype=dtype)
     del module
+    threads = int(config.trainer.num_threads)
+    if threads > 1 and str(config.trainer.device) == "cpu":  # one decode thread per core, as the rollout
+        from hybridflow.workers.rollout.engine.threaded import ThreadedEngines
+
+        engines = [build_llm_engine(model, config.rollout, share=threads) for _ in range(threads)]
+        for engine in engines:
+            engine.resume()
+        return ThreadedEngines(engines)
     return build_llm_engine(model, config.rollout)
 
 
