@@ -24,6 +24,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.trainer.fully_async.message_queue import GroupQueue, RolloutGroup
 from hybridflow.trainer.fully_async.param_sync import sync_parameters
 from hybridflow.trainer.ppo.ray_trainer import RayPPOTrainer
+from hybridflow.workers.rollout.agent_loop.manager import concat_rows
 
 
 class TrainedPosition:
@@ -97,13 +98,14 @@ class FullyAsyncTrainer(RayPPOTrainer):
 
     # ------------------------------------------------------------------ the step's rollouts
     def collect_rollouts(self, data_iter, metrics: dict, timing: dict) -> DataProto:
-        """The next groups, oldest first (see :mod:`.message_queue`), as one batch."""
+        """The next groups, oldest first (see :mod:`.message_queue`), as one batch (each group's prompts
+        are padded to its own longest: they are left-padded to the widest group's first)."""
         self._start_rollouter()
         groups, waited = self.queue.take(self.required_groups)
         timing["wait_for_samples"] = waited
         self.wait_s += waited
         metrics.update(self._group_metrics(groups))
-        return DataProto.concat([group.batch for group in groups])
+        return concat_rows([group.batch for group in groups])
 
     def _group_metrics(self, groups: list[RolloutGroup]) -> dict[str, float]:
         """Staleness of the trained samples (the version of the weights being trained minus the oldest

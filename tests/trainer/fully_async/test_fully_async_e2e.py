@@ -91,10 +91,23 @@ def test_staleness_zero_with_a_sync_every_step_equals_main_ppo(
     assert async_metrics[3]["fully_async/count/current_param_version"] == 2  # synced after steps 1 and 2
 
 
-def test_stale_partial_rollouts_with_token_is(ray_session, vllm_model_dir, arithmetic_data, tmp_path):
+@pytest.fixture(scope="module")
+def mixed_length_data(tmp_path_factory):
+    """Arithmetic prompts of 1- to 3-digit operands: their token lengths differ, so groups finished at
+    different times come padded to different prompt widths."""
+    from hybridflow.tasks.arithmetic import ArithmeticTaskConfig, write_rl_dataset
+
+    train, test = write_rl_dataset(
+        tmp_path_factory.mktemp("mixed"),
+        ArithmeticTaskConfig(min_digits=1, max_digits=3, num_train=64, num_test=6),
+    )
+    return str(train), str(test)
+
+
+def test_stale_partial_rollouts_with_token_is(ray_session, vllm_model_dir, mixed_length_data, tmp_path):
     values = _values(
         vllm_model_dir,
-        arithmetic_data,
+        mixed_length_data,
         tmp_path,
         "stale",
         **{
