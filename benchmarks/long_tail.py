@@ -312,6 +312,7 @@ def summarise(records: list[dict], args, mode: str, wall_s: float) -> dict:
                 "fully_async/staleness/mean",
                 "fully_async/partial/partial_ratio",
                 "fully_async/trainer/idle_ratio",
+                "fully_async/rollouter/idle_ratio",
                 "agent_loop/replica_requests/max",
                 "agent_loop/replica_requests/min",
             )

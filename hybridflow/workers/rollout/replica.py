@@ -206,12 +206,28 @@ class ServeStats:
     requests: int = 0
     aborted: int = 0
     steps: int = 0
+    exchanges: int = 0
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
 
 
-def serve_requests(engine, server, defaults, weight_version: int = 0, wait_s: float = 0.5) -> dict:
+EXCHANGE_INTERVAL_S = 0.01  # while the engine is busy, at most one exchange with the server per this
+
+
+def serve_requests(
+    engine,
+    server,
+    defaults,
+    weight_version: int = 0,
+    wait_s: float = 0.5,
+    exchange_interval_s: float = EXCHANGE_INTERVAL_S,
+) -> dict:
     """Serve ``server``'s requests with ``engine`` until it says stop and nothing is in flight.
+
+    While the engine has work, it exchanges with the server (a Ray round trip) at most every
+    ``exchange_interval_s``, stepping in between: a tiny model's decode step takes a few milliseconds,
+    about what the round trip costs, so exchanging every step spent a third of a rollout on it
+    (measured, ``benchmarks/long_tail.py``). New requests and finished outputs wait at most that long.
 
     ``engine``: :class:`~hybridflow.workers.rollout.engine.LLMEngine` or
     :class:`~hybridflow.workers.rollout.vllm_rollout.engine.VLLMEngine` (``add_request``, ``step``,
@@ -224,8 +240,16 @@ def serve_requests(engine, server, defaults, weight_version: int = 0, wait_s: fl
 
     stats, start = ServeStats(), time.perf_counter()
     finished: list[dict] = []
+    last_exchange = float("-inf")
     while True:
-        reply = ray.get(server.exchange.remote(finished, idle=not engine.has_unfinished(), wait_s=wait_s))
+        busy = engine.has_unfinished()
+        if busy and time.perf_counter() - last_exchange < exchange_interval_s:
+            finished.extend(_output(result, weight_version) for result in engine.step())
+            stats.steps += 1
+            continue
+        reply = ray.get(server.exchange.remote(finished, idle=not busy, wait_s=wait_s))
+        last_exchange = time.perf_counter()
+        stats.exchanges += 1
         finished = []
         for request_id, prompt_ids, sampling in reply["new"]:
             try:
