@@ -328,11 +328,12 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
 
     # ------------------------------------------------------------------ server mode (rollout.mode=async)
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def rollout_wake_up(self) -> dict[str, float]:
+    def rollout_wake_up(self, rows: int | None = None) -> dict[str, float]:
         """Before a phase of served requests: the actor's current weights into the engine (a collective,
-        as before a batch rollout) and its KV cache at full size. Returns the sync's metrics."""
+        as before a batch rollout) and its KV cache, for ``rows`` sequences at most (the phase's samples;
+        None: full size). Returns the sync's metrics."""
         metrics = self._sync_rollout_weights()
-        self.rollout.resume()
+        self.rollout.resume(rows)
         return metrics
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -70,8 +70,9 @@ class StandaloneRolloutWorker(Worker):
         return {"load_s": copied, "engine_sync_s": float(metrics.get("update_weights", 0.0))}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def rollout_wake_up(self) -> dict:
-        """Before serving: the KV cache at full size (the weights are already the latest loaded)."""
+    def rollout_wake_up(self, rows: int | None = None) -> dict:
+        """Before serving: the KV cache at full size (a standalone replica streams without a known
+        batch; nothing trains beside it), the weights already the latest loaded."""
         self.rollout.resume()
         return {}
 

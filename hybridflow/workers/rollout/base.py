@@ -57,8 +57,9 @@ class BaseRollout(ABC):
         """Free a generation-only copy of the weights between rollouts. No-op by default (a rollout
         that runs on the actor's own module has none)."""
 
-    def resume(self) -> None:  # noqa: B027 (optional hook)
-        """Re-create what :meth:`release` freed. No-op by default."""
+    def resume(self, rows: int | None = None) -> None:  # noqa: B027 (optional hook)
+        """Re-create what :meth:`release` freed (``rows``: the most sequences that will run at once,
+        when the caller knows; None: the configured size). No-op by default."""
 
 
 def generation_seed(base_seed: int, step: int, rank: int) -> int:

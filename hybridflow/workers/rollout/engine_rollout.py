@@ -91,9 +91,12 @@ def engine_max_len(config) -> int:
     return int(config.get("max_model_len") or int(config.prompt_length) + int(config.response_length))
 
 
-def build_llm_engine(model: EngineModel, config, eos_token_ids=(), share: int = 1) -> LLMEngine:
+def build_llm_engine(
+    model: EngineModel, config, eos_token_ids=(), share: int = 1, allocate_cache: bool = True
+) -> LLMEngine:
     """An engine over ``model`` sized by a rollout config section (KV-cache budget, batch limits, seed);
-    ``share`` engines splitting the budget and ``max_num_seqs`` get 1/share each."""
+    ``share`` engines splitting the budget and ``max_num_seqs`` get 1/share each. ``allocate_cache=False``:
+    no cache until the first ``resume`` (a rollout that sizes it per call never holds the full budget)."""
     max_len = engine_max_len(config)
     budget = kv_cache_budget_bytes(config, model.device) // share
     max_seqs = max(1, int(config.get("max_num_seqs", 256)) // share)
@@ -109,6 +112,7 @@ def build_llm_engine(model: EngineModel, config, eos_token_ids=(), share: int = 
         eos_token_ids=list(eos_token_ids),
         max_num_batched_tokens=int(config.get("max_num_batched_tokens", 8192)),
         seed=int(config.get("seed", 0)),
+        allocate_cache=allocate_cache,
     )
 
 
@@ -226,12 +230,10 @@ class EngineRollout(BaseRollout):
             module, engine_max_len(config), dtype=dtype, device=device, shard=shard
         )
         self.last_sync = self._sync()
-        self.engine = build_llm_engine(self.model, config)
+        self.free_cache = bool(config.get("free_cache_engine", True))
+        self.engine = build_llm_engine(self.model, config, allocate_cache=not self.free_cache)
         self._decode_engines: list[LLMEngine] = []  # threaded decoding (engine/threaded.py), built on use
         self._call_seed = 0
-        self.free_cache = bool(config.get("free_cache_engine", True))
-        if self.free_cache:
-            self.engine.release()
 
     def _sync(self):
         from hybridflow.workers.lora import is_peft_model
@@ -257,8 +259,10 @@ class EngineRollout(BaseRollout):
         for engine in (self.engine, *self._decode_engines):
             engine.release()
 
-    def resume(self) -> None:
-        self.engine.resume()
+    def resume(self, rows: int | None = None) -> None:
+        """The KV cache back: ``rows`` slots when a serving phase knows how many samples it runs (the
+        cache the call needs, as a batch rollout sizes it), else the full budget."""
+        self.engine.resume(rows)
 
     @contextlib.contextmanager
     def _kv_cache(self, engines: list[LLMEngine] | None = None, sizes: list[tuple[int, int]] | None = None):
@@ -308,7 +312,11 @@ class EngineRollout(BaseRollout):
         )
         if threads > 1:  # one engine per thread, one torch thread each (engine/threaded.py)
             engines = sub_engines(
-                lambda k: build_llm_engine(self.model, self.config, share=k), threads, self._decode_engines
+                lambda k: build_llm_engine(
+                    self.model, self.config, share=k, allocate_cache=not self.free_cache
+                ),
+                threads,
+                self._decode_engines,
             )
             sizes = [call_cache_size(shard, params) for shard in split_groups(groups, threads)]
             with self._kv_cache(engines, sizes):
@@ -342,7 +350,7 @@ class EngineRollout(BaseRollout):
         tools_kwargs = prompts.non_tensor_batch.get("tools_kwargs")
         kwargs = [tools_kwargs[i] if tools_kwargs is not None else None for i in range(len(rows))]
         per_row = row_params(request_groups(prompts, params, self.config.get("seed", 0)))
-        with self._kv_cache():
+        with self._kv_cache(sizes=[(len(rows), self.engine.max_model_len)]):  # one slot per conversation
             convs = asyncio.run(self._agent_loop.run_batch(rows, per_row, kwargs))
         return assemble_conversations(
             prompts,

@@ -6,7 +6,8 @@ shares the actor's weights; the rank's :class:`~hybridflow.workers.rollout.repli
 requests. One ``generate_sequences`` call:
 
 1. ``rollout_wake_up`` on every rank: the actor's current weights into the engines (in place, as the
-   synchronous rollout does) and the KV caches at full size;
+   synchronous rollout does) and KV caches sized for the batch's samples (not the full budget: the
+   training state shares the memory);
 2. every rank runs ``serve_requests`` against its server (a long call) while the batch, split over
    ``rollout.agent.num_workers`` :class:`~.worker.AgentLoopWorker` actors, runs one agent loop per
    sample; requests spread over the replicas one at a time (least in flight, sticky per sample) and
@@ -66,7 +67,7 @@ class AgentLoopManager:
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Prompt rows (repeated ``n`` times, with their dataset fields) → the rollout batch."""
         start = time.perf_counter()
-        sync_metrics, serve_refs = self.start_serving()
+        sync_metrics, serve_refs = self.start_serving(rows=len(prompts))
         chunks = prompts.split(_even_sizes(len(prompts), len(self.workers)))
         refs = [w.generate_sequences.remote(c) for w, c in zip(self.workers, chunks, strict=True) if len(c)]
         try:
@@ -79,12 +80,13 @@ class AgentLoopManager:
         )
         return output
 
-    def start_serving(self) -> tuple[list, list]:
-        """Wake the replicas (weights in, KV caches at full size) and start their serve loops; returns
-        the wake-up metrics and one serve-loop future per replica (:meth:`stop_serving` ends them)."""
+    def start_serving(self, rows: int | None = None) -> tuple[list, list]:
+        """Wake the replicas (weights in, KV caches for ``rows`` samples each at most — any replica may
+        get all of a batch — or full size) and start their serve loops; returns the wake-up metrics and
+        one serve-loop future per replica (:meth:`stop_serving` ends them)."""
         import ray
 
-        sync_metrics = self.worker_group.rollout_wake_up()
+        sync_metrics = self.worker_group.rollout_wake_up(rows)
         ray.get([server.start_serving.remote() for server in self.servers])
         serving = self.worker_group.serve_requests_async(self.servers)  # one long call per rank
         return sync_metrics, [serving.rank_refs[rank] for rank in sorted(serving.rank_refs)]

@@ -38,13 +38,16 @@ def slots_for_budget(
 class KVCache:
     """``layers[i]`` is ``(keys, values)``, each (slots, nkv, max_len, hd). Empty after :meth:`release`."""
 
-    def __init__(self, spec: ModelSpec, num_slots: int, max_len: int, dtype: torch.dtype, device) -> None:
+    def __init__(
+        self, spec: ModelSpec, num_slots: int, max_len: int, dtype: torch.dtype, device, allocate: bool = True
+    ) -> None:
         self.spec, self.dtype, self.device = spec, dtype, torch.device(device)
         self.capacity_slots, self.capacity_len = int(num_slots), int(max_len)
         # the allocated shape: the capacity unless allocate() was asked for less
         self.num_slots, self.max_len = self.capacity_slots, self.capacity_len
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.allocate()
+        if allocate:  # else the first allocate() (the engine's resume) creates it, sized as asked
+            self.allocate()
 
     @property
     def allocated(self) -> bool:

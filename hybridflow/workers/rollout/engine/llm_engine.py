@@ -89,6 +89,7 @@ class LLMEngine:
         eos_token_ids: list[int],
         max_num_batched_tokens: int = 8192,
         seed: int = 0,
+        allocate_cache: bool = True,
     ) -> None:
         if max_model_len > model.max_positions:
             raise ValueError(
@@ -98,7 +99,9 @@ class LLMEngine:
         self.max_model_len = int(max_model_len)
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
-        self.cache = KVCache(model.spec, max_num_seqs, max_model_len, model.dtype, model.device)
+        self.cache = KVCache(
+            model.spec, max_num_seqs, max_model_len, model.dtype, model.device, allocate=allocate_cache
+        )
         self.generator = torch.Generator(device=model.device).manual_seed(int(seed))
         self._waiting: list[_Request] = []
         self._running: list[_Sequence] = []

@@ -140,7 +140,8 @@ class VLLMRollout(BaseRollout):
         does not need is the KV cache, freed here."""
         self.engine.release()
 
-    def resume(self) -> None:
+    def resume(self, rows: int | None = None) -> None:
+        """vLLM's KV cache at its configured size (vLLM sizes its blocks once, at start-up)."""
         self.engine.resume()
 
     @contextlib.contextmanager
