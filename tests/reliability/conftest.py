@@ -20,16 +20,17 @@ PROJECT, EXPERIMENT = "hybridflow", "reliability"
 
 
 class Run:
-    """One ``python -m hybridflow.trainer.main_ppo`` process in ``workdir`` (its own session)."""
+    """One ``python -m hybridflow.trainer.main_ppo`` (or ``module``) process in ``workdir`` (its own
+    session)."""
 
-    def __init__(self, workdir: Path, overrides: dict) -> None:
+    def __init__(self, workdir: Path, overrides: dict, module: str = "hybridflow.trainer.main_ppo") -> None:
         self.workdir = workdir
         self.log = workdir / "main_ppo.log"
         args = [f"{k}={v}" for k, v in overrides.items()]
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hybridflow.trainer.main_ppo", *args],
+                [sys.executable, "-m", module, *args],
                 cwd=workdir,
                 env=env,
                 stdout=log,

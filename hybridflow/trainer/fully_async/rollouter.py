@@ -50,7 +50,8 @@ class Rollouter:
         self.stopping = False
         self.stats = {"generated": 0, "partial_samples": 0, "idle_s": 0.0, "window_start": time.monotonic()}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._serving: list = []
+        self._serving: list = []  # the serve loops' futures while serving
+        self._serving_ended = threading.Event()  # set before a normal stop_serving (the watcher's cue)
         self._thread = threading.Thread(target=self._thread_main, name="rollouter", daemon=True)
         self._started = threading.Event()
 
@@ -104,7 +105,7 @@ class Rollouter:
         self._loop = asyncio.get_running_loop()
         self._cond = asyncio.Condition()
         try:
-            self._serving = (await asyncio.to_thread(self.manager.start_serving))[1]
+            await self._start_serving()
         finally:
             self._started.set()
         exhausted = False
@@ -138,8 +139,21 @@ class Rollouter:
         if self._serving:  # stopping: what is in flight ends where it stands
             await asyncio.to_thread(self.manager.abort_all)
             await asyncio.gather(*list(self.in_flight.values()), return_exceptions=True)
-            await asyncio.to_thread(self.manager.stop_serving, self._serving)
-            self._serving = []
+            await self._stop_serving()
+
+    async def _start_serving(self) -> None:
+        """Wake the replicas and start their serve loops, watched: a loop that ends while serving (its
+        rank died) fails its server, so the groups waiting on it raise naming the replica."""
+        self._serving = (await asyncio.to_thread(self.manager.start_serving))[1]
+        self._serving_ended = ended = threading.Event()
+        asyncio.get_running_loop().run_in_executor(
+            None, self.manager.watch_serving, self._serving, ended.is_set
+        )
+
+    async def _stop_serving(self) -> None:
+        self._serving_ended.set()  # a serve loop returning from here on is the normal end
+        serving, self._serving = self._serving, []
+        await asyncio.to_thread(self.manager.stop_serving, serving)
 
     def _can_admit(self) -> bool:
         if self.stopping:
@@ -190,12 +204,11 @@ class Rollouter:
         if self.partial_rollout:
             await asyncio.to_thread(self.manager.abort_all)
         await asyncio.gather(*list(self.in_flight.values()), return_exceptions=True)
-        await asyncio.to_thread(self.manager.stop_serving, self._serving)
-        self._serving = []
+        await self._stop_serving()
 
     async def _resume(self, version: int) -> None:
         self.version = version
-        self._serving = (await asyncio.to_thread(self.manager.start_serving))[1]
+        await self._start_serving()
         async with self._cond:
             # verl's reset: what was generated or is waiting and not yet trained counts against the budget
             self.admitted_since_sync = len(self.in_flight) + len(self.to_resume) + self.queue.size()

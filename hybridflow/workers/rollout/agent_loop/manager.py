@@ -121,6 +121,20 @@ class AgentLoopManager:
                     pending.remove(ref)
         return ray.get(refs)
 
+    def watch_serving(self, serve_refs: list, stop) -> None:
+        """For a streaming caller (the asynchronous rollouter), which has no batch to wait on: block
+        until ``stop()`` is true, polling the serve loops; one that ends while serving (its rank died)
+        fails its server at once, so the samples waiting on it raise naming the replica."""
+        import ray
+
+        watching = dict(zip(serve_refs, range(len(serve_refs)), strict=True))
+        while watching and not stop():
+            ready, _ = ray.wait(list(watching), num_returns=1, timeout=0.2)
+            for ref in ready:
+                replica = watching.pop(ref)
+                if not stop():
+                    ray.get(self.servers[replica].fail.remote(self._serve_failure(ref, replica)))
+
     def _finish_serving(self, serve_refs: list) -> list[dict]:
         """Each rank's serve statistics (an error in place of a rank that died)."""
         import ray
