@@ -100,6 +100,8 @@ class Rollouter:
             asyncio.run(self._main())
         except BaseException as error:  # the trainer learns why at its next take
             self.queue.fail(RuntimeError(f"the rollouter failed: {type(error).__name__}: {error}"))
+        finally:
+            self._serving_ended.set()  # the serve-loop watcher ends with the rollouter
 
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()

@@ -223,14 +223,23 @@ def test_slow_samples_and_slow_updates_keep_the_bound_and_the_data(
     assert mean_length[1] == pytest.approx(mean_length[0], rel=0.05)
 
 
-def test_a_killed_rollout_process_ends_the_run_with_an_error_naming_it(
-    ray_session, vllm_model_dir, arithmetic_data, tmp_path
+@pytest.mark.parametrize(
+    ("victim_class", "named"),
+    [("StandaloneRolloutWorker", "rollout"), ("Colocated_actor", "actor")],
+    ids=["rollout", "trainer"],
+)
+def test_a_killed_process_ends_the_run_with_an_error_naming_it_and_keeps_the_checkpoint(
+    ray_session, vllm_model_dir, arithmetic_data, tmp_path, victim_class, named
 ):
+    """SIGKILL of the rollout pool's or the trainer pool's process after step 1: the run ends within
+    60 s with an error naming that pool's rank, and step 1's checkpoint stays the last good one."""
     import signal
     import threading
     import time
 
     import psutil
+
+    from hybridflow.utils.checkpoint.tracker import read_latest_checkpointed_iteration
 
     values = _values(
         vllm_model_dir,
@@ -238,7 +247,7 @@ def test_a_killed_rollout_process_ends_the_run_with_an_error_naming_it(
         tmp_path,
         "killed",
         **ON_POLICY,
-        **{"trainer.total_training_steps": 50},
+        **{"trainer.total_training_steps": 50, "trainer.save_freq": 1},
     )
     failure: list[BaseException] = []
 
@@ -250,20 +259,24 @@ def test_a_killed_rollout_process_ends_the_run_with_an_error_naming_it(
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    metrics = tmp_path / "outputs" / "hybridflow" / "killed" / "metrics.jsonl"
     deadline = time.monotonic() + 120
-    while not (metrics.exists() and metrics.read_text().strip()):
-        assert time.monotonic() < deadline and thread.is_alive(), "the run did not reach its first step"
+    while read_latest_checkpointed_iteration(str(tmp_path / "ckpt")) is None:
+        assert time.monotonic() < deadline and thread.is_alive(), "the run did not save its first step"
         time.sleep(0.2)
-    (victim,) = [
+    candidates = [
         p
-        for p in psutil.process_iter(["cmdline"])
-        if "StandaloneRolloutWorker" in " ".join(p.info["cmdline"] or [])
+        for p in psutil.process_iter(["cmdline", "create_time", "status"])
+        if victim_class in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE
     ]
+    assert candidates, f"no {victim_class} process"
+    victim = max(candidates, key=lambda p: p.info["create_time"])  # not an earlier test's, still exiting
     killed_at = time.monotonic()
     victim.send_signal(signal.SIGKILL)
     thread.join(timeout=90)
-    assert not thread.is_alive(), "the run hung after its rollout process died"
+    assert not thread.is_alive(), f"the run hung after its {named} process died"
     assert time.monotonic() - killed_at < 60
     (error,) = failure
-    assert "rollout" in str(error) and ("replica 0" in str(error) or "rank 0" in str(error)), str(error)
+    assert named in str(error) and ("replica 0" in str(error) or "rank 0" in str(error)), str(error)
+    last = read_latest_checkpointed_iteration(str(tmp_path / "ckpt"))
+    assert last is not None and last >= 1
+    assert (tmp_path / "ckpt" / f"global_step_{last}").is_dir()

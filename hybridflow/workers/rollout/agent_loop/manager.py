@@ -129,7 +129,12 @@ class AgentLoopManager:
 
         watching = dict(zip(serve_refs, range(len(serve_refs)), strict=True))
         while watching and not stop():
-            ready, _ = ray.wait(list(watching), num_returns=1, timeout=0.2)
+            try:
+                ready, _ = ray.wait(list(watching), num_returns=1, timeout=0.2)
+            except BaseException:  # Ray shut down under a run that failed elsewhere: nothing to watch
+                if stop() or not ray.is_initialized():
+                    return
+                raise
             for ref in ready:
                 replica = watching.pop(ref)
                 if not stop():
