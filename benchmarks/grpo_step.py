@@ -3,7 +3,12 @@
     python benchmarks/grpo_step.py --model DIR --train-file train.parquet [--steps 5 --prompts 16 --n 4
         --max-prompt-length 64 --max-response-length 64 --lr 1e-6 --kl-coef 0.001 --workers 2]
 
-Without ``--model``/``--train-file`` it builds the tiny model and the arithmetic task first.
+Without ``--model``/``--train-file`` it builds the arithmetic task and a randomly initialised model
+first: the tiny one, or with ``--shape smollm2`` one of SmolLM2-135M's shape (llama, 30 layers, hidden
+576, GQA 9/3, tied embeddings) with the task's tokenizer. ``--device cuda`` trains on the GPU (one
+worker per GPU; bf16 compute over fp32 master weights and a bf16 engine, the device's defaults) and
+reports the peak GPU memory; issue 26's workload is
+``--device cuda --workers 1 --shape smollm2 --prompts 64 --n 8 --max-response-length 256``.
 ``tokens_per_s`` counts prompt + generated tokens actually processed (attention-mask sum) per second
 of step wall time; model loading and worker start-up are excluded. The first step is a warm-up and
 is excluded from the timing unless ``--steps 1``.
@@ -37,16 +42,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--kl-coef", type=float, default=0.001, help="KL loss coefficient (0: no reference)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rollout", default="engine", help="actor_rollout_ref.rollout.name (engine | hf)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="trainer.device")
+    parser.add_argument("--shape", choices=["tiny", "smollm2"], default="tiny", help="the built model")
     parser.add_argument("--extra", nargs="*", default=[], help="more key=value config overrides")
     return parser.parse_args(argv)
 
 
-def default_assets(work: Path) -> tuple[str, str]:
+SMOLLM2_SHAPE = dict(
+    arch="llama",
+    hidden_size=576,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    intermediate_size=1536,
+    max_position_embeddings=2048,
+    vocab_size=49152,
+)
+
+
+def default_assets(work: Path, shape: str = "tiny") -> tuple[str, str]:
     from hybridflow.models.tiny import build_tiny_model
     from hybridflow.tasks.arithmetic import ArithmeticTaskConfig, write_rl_dataset
 
     train, _ = write_rl_dataset(work / "data", ArithmeticTaskConfig(num_train=2000, num_test=16))
-    return str(build_tiny_model(work / "model")), str(train)
+    sizes = SMOLLM2_SHAPE if shape == "smollm2" else {}
+    return str(build_tiny_model(work / "model", **sizes)), str(train)
 
 
 def overrides(args: argparse.Namespace, model: str, train: str) -> list[str]:
@@ -76,6 +96,7 @@ def overrides(args: argparse.Namespace, model: str, train: str) -> list[str]:
         "trainer.progress_bar=false",
         "trainer.plot_curves=false",
         f"trainer.n_gpus_per_node={args.workers}",
+        f"trainer.device={args.device}",
         "trainer.resume_mode=disable",
         *args.extra,
     ]
@@ -95,6 +116,7 @@ def summarise(records: list[dict], args: argparse.Namespace) -> dict:
         "n": args.n,
         "max_response_length": args.max_response_length,
         "workers": args.workers,
+        "device": args.device,
         "tokens_per_s": round(tokens / wall, 1),
         "step_s": round(wall / len(timed), 3),
         "phase_s": {
@@ -114,6 +136,9 @@ def summarise(records: list[dict], args: argparse.Namespace) -> dict:
         ),
         "mean_reward": round(sum(r["critic/score/mean"] for r in timed) / len(timed), 4),
         "response_length_mean": round(sum(r["response_length/mean"] for r in timed) / len(timed), 2),
+        "peak_gpu_memory_gb": max((r.get("perf/max_memory_allocated_gb", 0.0) for r in records), default=0.0)
+        or None,
+        "mfu_actor": max((r.get("perf/mfu/actor", 0.0) for r in records), default=0.0) or None,
         "peak_rss_gb": {
             "worker": round(worker_rss, 3),
             "driver": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
@@ -129,7 +154,9 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model, train = (
-            (args.model, args.train_file) if args.model and args.train_file else default_assets(work)
+            (args.model, args.train_file)
+            if args.model and args.train_file
+            else default_assets(work, args.shape)
         )
         os.chdir(work)
         start = time.time()

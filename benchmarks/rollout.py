@@ -15,6 +15,8 @@ every row in one left-padded batch (its fastest setting here); the engine gets e
 
     python benchmarks/rollout.py --model tiny       # the quickstart-sized model (1.7M)
     python benchmarks/rollout.py --model llama100m  # a ~100M-parameter Llama config (random init)
+    python benchmarks/rollout.py --model smollm2 --device cuda --dtype bf16 --prompts 128 --n 4 \
+        --new-tokens 256                            # issue 26's GPU target: 512 rows x 256 tokens
 
 Prints one JSON line: tokens/s of each, their ratio per workload, and the engine's counters.
 """
@@ -45,10 +47,21 @@ MODELS = {
         max_position_embeddings=512,
         tie_word_embeddings=True,
     ),
+    "smollm2": dict(  # SmolLM2-135M's shape
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        vocab_size=49152,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+    ),
 }
 
 
-def build_model(name: str, dtype: torch.dtype):
+def build_model(name: str, dtype: torch.dtype, device: str = "cpu"):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -61,7 +74,13 @@ def build_model(name: str, dtype: torch.dtype):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     else:
         model = LlamaForCausalLM(LlamaConfig(**MODELS[name])).to(dtype)
-    return model.eval()
+    return model.to(device).eval()
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so a timer reads finished work (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def make_prompts(args, vocab: int) -> list[list[int]]:
@@ -79,6 +98,8 @@ def hf_generate(model, prompts: list[list[int]], args, stop_ids: list[int]) -> t
     for i, p in enumerate(rows):
         input_ids[i, width - len(p) :] = torch.tensor(p)
         attention_mask[i, width - len(p) :] = 1
+    input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
+    _synchronize(model.device)
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
@@ -93,6 +114,7 @@ def hf_generate(model, prompts: list[list[int]], args, stop_ids: list[int]) -> t
             eos_token_id=stop_ids or None,
             pad_token_id=pad_id,
         )
+    _synchronize(model.device)
     elapsed = time.perf_counter() - start
     generated = out[:, width:]
     if not stop_ids:
@@ -106,13 +128,15 @@ def engine_generate(model, prompts: list[list[int]], args, stop_ids: list[int]) 
     from hybridflow.workers.rollout.engine import EngineModel, LLMEngine, SamplingParams
 
     max_len = args.max_prompt + args.new_tokens
-    engine_model = EngineModel.from_hf_module(model, max_len, dtype=model.dtype)
+    engine_model = EngineModel.from_hf_module(model, max_len, dtype=model.dtype, device=model.device)
     engine = LLMEngine(engine_model, max_num_seqs=args.max_num_seqs, max_model_len=max_len, eos_token_ids=[])
     params = SamplingParams(
         max_new_tokens=args.new_tokens, temperature=args.temperature, stop_token_ids=tuple(stop_ids)
     )
+    _synchronize(model.device)
     start = time.perf_counter()
     results = engine.generate_batch(prompts, params, n=args.n)
+    _synchronize(model.device)
     elapsed = time.perf_counter() - start
     tokens = sum(len(c.token_ids) for r in results for c in r.completions)
     return tokens, elapsed, dict(engine.stats)
@@ -146,13 +170,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop-fraction", type=float, default=0.02, help="0: only the fixed-length workload")
     parser.add_argument("--skip-hf", action="store_true", help="time only the engine")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    model = build_model(args.model, dtype)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU is visible")
+    model = build_model(args.model, dtype, args.device)
     prompts = make_prompts(args, model.config.vocab_size)
     vocab = model.config.vocab_size
     stop_ids = list(range(4, 4 + max(1, round(args.stop_fraction * vocab))))
@@ -160,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         "model": args.model,
         "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
         "dtype": args.dtype,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "threads": args.threads,
         "rows": args.prompts * args.n,
         "max_new_tokens": args.new_tokens,
@@ -167,6 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     }
     if args.stop_fraction > 0:
         result["variable_length"] = compare(model, prompts, args, stop_ids)
+    if args.device == "cuda":
+        result["peak_gpu_memory_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
     json.dump(result, sys.stdout)
     print()
 
