@@ -43,6 +43,7 @@ def test_vllm_takes_verls_engine_keys(vllm_overrides, override):
 VLLM_REJECTED = [
     ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "needs rollout.name=engine"),
     ("actor_rollout_ref.rollout.decode_threads=2", "decode_threads is the embedded engine's"),
+    ("actor_rollout_ref.rollout.decode_steps_per_sync=8", "decode_steps_per_sync is the embedded engine's"),
     ("+actor_rollout_ref.rollout.engine_kwargs.sglang.mem_fraction=0.5", "only engine_kwargs.vllm"),
 ]
 

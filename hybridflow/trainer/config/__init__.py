@@ -243,6 +243,9 @@ def _check_unsupported(config: DictConfig) -> list[str]:
     threads = rollout.get("decode_threads")
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         problems.append(f"rollout.decode_threads must be null or an integer >= 1, got {threads!r}")
+    per_sync = rollout.get("decode_steps_per_sync")
+    if per_sync is not None and (not isinstance(per_sync, int) or per_sync < 1):
+        problems.append(f"rollout.decode_steps_per_sync must be null or an integer >= 1, got {per_sync!r}")
     if rollout.multi_turn.enable:
         if rollout.name not in ("engine", "vllm"):
             problems.append(

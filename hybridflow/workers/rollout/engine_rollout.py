@@ -113,7 +113,18 @@ def build_llm_engine(
         max_num_batched_tokens=int(config.get("max_num_batched_tokens", 8192)),
         seed=int(config.get("seed", 0)),
         allocate_cache=allocate_cache,
+        decode_steps_per_sync=decode_steps_per_sync(config, model.device),
     )
+
+
+def decode_steps_per_sync(config, device: torch.device) -> int:
+    """``rollout.decode_steps_per_sync``, or (null) the device's default: 1 on the CPU, where a read
+    back costs nothing and a burst only decodes tokens past a stop; 8 on a GPU, where each read back
+    idles it."""
+    value = config.get("decode_steps_per_sync")
+    if value is not None:
+        return int(value)
+    return 1 if torch.device(device).type == "cpu" else 8
 
 
 def call_cache_size(groups: list[tuple], params: SamplingParams) -> tuple[int, int]:

@@ -3,7 +3,18 @@
 Each :meth:`LLMEngine.step` admits waiting requests into free cache slots (the ``n`` samples of a
 request share one prompt prefill), then decodes one token for every running sequence. Sequences
 leave the batch the step they finish, and new requests join at the next step, so a long sequence
-never holds up the rest. Two ways in:
+never holds up the rest.
+
+On a GPU a read back to the host waits for all queued work, so reading every decode step's tokens
+leaves the GPU idle while Python schedules the next. With ``decode_steps_per_sync`` = k > 1 one step
+decodes up to k tokens per sequence on the device (the next step's input is the last one's output,
+positions and seeded draws advance on the device) and reads them back once; stop tokens and lengths
+are then applied on the host exactly as step by step. Tokens a sequence draws after its stop token
+within a burst are dropped (at most k - 1). A burst runs only where it cannot change the result: no
+request waiting for a free slot, every sequence sharing its sampling settings, no logits processor,
+no top-log-prob or streamed request, and at most as many steps as every sequence's remaining tokens
+and cache room allow. Greedy and seeded samples are token for token those of k = 1 (unseeded draws
+come from the engine's generator, whose stream then covers the dropped tokens too). Two ways in:
 
 - :meth:`LLMEngine.generate_batch` — a list of prompts in, their completions out (the rollout's path);
 - ``await engine.generate(prompt_ids, params)`` — one request; many concurrent calls (multi-turn
@@ -90,6 +101,7 @@ class LLMEngine:
         max_num_batched_tokens: int = 8192,
         seed: int = 0,
         allocate_cache: bool = True,
+        decode_steps_per_sync: int = 1,
     ) -> None:
         if max_model_len > model.max_positions:
             raise ValueError(
@@ -99,6 +111,9 @@ class LLMEngine:
         self.max_model_len = int(max_model_len)
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
+        if int(decode_steps_per_sync) < 1:
+            raise ValueError(f"decode_steps_per_sync={decode_steps_per_sync} must be at least 1")
+        self.decode_steps_per_sync = int(decode_steps_per_sync)
         self.cache = KVCache(
             model.spec, max_num_seqs, max_model_len, model.dtype, model.device, allocate=allocate_cache
         )
@@ -107,7 +122,8 @@ class LLMEngine:
         self._running: list[_Sequence] = []
         self._ids = itertools.count()
         self._loop_task: asyncio.Task | None = None
-        self.stats = {"prefill_tokens": 0, "decode_steps": 0, "generated_tokens": 0}
+        # host_reads: decode results read back to the host (one per step, or one per burst)
+        self.stats = {"prefill_tokens": 0, "decode_steps": 0, "generated_tokens": 0, "host_reads": 0}
 
     # ------------------------------------------------------------------ public API
     def reseed(self, seed: int) -> None:
@@ -229,7 +245,11 @@ class LLMEngine:
             self._prefill(admitted, finished)
             self._compact()
         if self._running:
-            self._decode(finished)
+            steps = self._burst_steps()
+            if steps > 1:
+                self._decode_burst(steps, finished)
+            else:
+                self._decode(finished)
             self._compact()
         results = [request.result() for request in finished]
         for request, result in zip(finished, results, strict=True):
@@ -280,20 +300,112 @@ class LLMEngine:
         running = self._running
         tokens = torch.tensor([s.pending for s in running], device=device)
         lengths = torch.tensor([s.length for s in running], device=device)
-        logits = self.model.decode(tokens, lengths, self.cache)
+        logits = self.model.decode(tokens, lengths, self.cache, span=max(s.length for s in running) + 1)
         for seq in running:
             seq.length += 1
         self.stats["decode_steps"] += 1
         self._accept(running, logits, finished)
 
+    def _burst_steps(self) -> int:
+        """How many decode steps the next step may run on the device before reading back (1: one)."""
+        running = self._running
+        if self.decode_steps_per_sync == 1:
+            return 1
+        if self._waiting and self._waiting[0].n <= self.cache.num_slots - len(running):
+            return 1  # a request can join now: admit it at the next step
+        key = running[0].request.params.choice_key()
+        for seq in running:
+            params = seq.request.params
+            if (
+                params.logits_processor
+                or params.logprobs > 0
+                or seq.request.listener is not None
+                or params.choice_key() != key
+            ):
+                return 1
+        room = min(
+            min(s.request.max_new_tokens - len(s.token_ids), self.cache.max_len - s.length) for s in running
+        )
+        return max(1, min(self.decode_steps_per_sync, room))
+
+    def _decode_burst(self, steps: int, finished: list[_Request]) -> None:
+        """``steps`` decode steps for every running sequence with one read back, then the step-by-step
+        acceptance on the host (see the module docstring)."""
+        device = self.model.device
+        running = self._running
+        params = running[0].request.params
+        tokens = torch.tensor([s.pending for s in running], device=device)
+        lengths = torch.tensor([s.length for s in running], device=device)
+        span = max(s.length for s in running) + 1
+        seeded = self._seeded_streams(running, params)
+        chosen, chosen_log_probs = [], []
+        for i in range(steps):
+            logits = self.model.decode(tokens, lengths, self.cache, span=span + i)
+            uniforms = None
+            if seeded is not None:
+                rows, seeds, samples, positions = seeded
+                uniforms = 1.0 - torch.rand(len(running), generator=self.generator, device=device).double()
+                uniforms[rows] = seeded_uniforms(seeds, samples, positions + i).to(uniforms.device)
+            tokens, log_probs = choose_tokens(logits, params, self.generator, uniforms)
+            chosen.append(tokens)
+            chosen_log_probs.append(log_probs)
+            lengths = lengths + 1
+        host_tokens, host_log_probs = torch.stack(
+            (torch.stack(chosen).double(), torch.stack(chosen_log_probs).double())
+        ).tolist()  # (steps, B) each: the burst's one read back
+        self.stats["host_reads"] += 1
+        self.stats["decode_steps"] += steps
+        for i in range(steps):
+            alive = [(row, seq) for row, seq in enumerate(running) if seq.pending != -2]
+            if not alive:
+                break
+            for _, seq in alive:
+                seq.length += 1
+            self.stats["generated_tokens"] += len(alive)
+            self._take(
+                [seq for _, seq in alive],
+                [int(host_tokens[i][row]) for row, _ in alive],
+                [host_log_probs[i][row] for row, _ in alive],
+                {},
+                finished,
+            )
+
+    def _seeded_streams(self, seqs: list[_Sequence], params: SamplingParams):
+        """For a sampled burst with seeded rows: (rows, seeds, sample indices, next positions) as device
+        tensors, so each step's draws are made on the device; else None."""
+        rows = [row for row, seq in enumerate(seqs) if seq.request.params.seed is not None]
+        if params.greedy or not rows:
+            return None
+        device = self.model.device
+        values = [
+            (
+                seqs[r].request.params.seed,
+                seqs[r].request.params.seed_sample + seqs[r].index,
+                seqs[r].request.params.seed_position + len(seqs[r].token_ids),
+            )
+            for r in rows
+        ]
+        seeds, samples, positions = torch.tensor(values, dtype=torch.long, device=device).T
+        return torch.tensor(rows, device=device), seeds, samples, positions
+
     def _accept(self, seqs: list[_Sequence], logits: torch.Tensor, finished: list[_Request]) -> None:
         """Choose the next token of each sequence from its logits row (B, V) and retire finished ones."""
         tokens, log_probs = self._choose(seqs, logits)
         self.stats["generated_tokens"] += len(seqs)
-        tops = _top_alternatives(seqs, logits)
-        for row, (seq, token, log_prob) in enumerate(
-            zip(seqs, tokens.tolist(), log_probs.tolist(), strict=True)
-        ):
+        self.stats["host_reads"] += 1
+        self._take(seqs, tokens.tolist(), log_probs.tolist(), _top_alternatives(seqs, logits), finished)
+
+    def _take(
+        self,
+        seqs: list[_Sequence],
+        tokens: list[int],
+        log_probs: list[float],
+        tops: dict[int, list[tuple[int, float]]],
+        finished: list[_Request],
+    ) -> None:
+        """Append each sequence's chosen token (and log-prob) and retire those that stop or reach their
+        length."""
+        for row, (seq, token, log_prob) in enumerate(zip(seqs, tokens, log_probs, strict=True)):
             seq.token_ids.append(token)
             seq.log_probs.append(log_prob)
             if row in tops:

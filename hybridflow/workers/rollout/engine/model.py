@@ -362,12 +362,15 @@ class EngineModel:
         return total
 
     # ------------------------------------------------------------------ forward
-    def decode(self, tokens: torch.Tensor, lengths: torch.Tensor, cache) -> torch.Tensor:
+    def decode(
+        self, tokens: torch.Tensor, lengths: torch.Tensor, cache, span: int | None = None
+    ) -> torch.Tensor:
         """One new token per row. tokens, lengths (B,): the token at position ``lengths[b]`` of row b
-        (rows are the first B cache slots). Writes its K/V and returns fp32 logits (B, V)."""
+        (rows are the first B cache slots). Writes its K/V and returns fp32 logits (B, V). ``span``:
+        ``max(lengths) + 1`` when the caller knows it (reading it from ``lengths`` waits for the device)."""
         spec = self.spec
         batch = tokens.shape[0]
-        span = int(lengths.max()) + 1
+        span = int(lengths.max()) + 1 if span is None else int(span)
         write_at = cache.flat_positions(lengths)  # (B * nkv,) rows of the flattened cache
         cos = self.rope_cos[lengths].unsqueeze(1)  # (B, 1, hd)
         sin = self.rope_sin[lengths].unsqueeze(1)

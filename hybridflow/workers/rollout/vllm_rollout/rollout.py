@@ -59,6 +59,10 @@ def vllm_config_problems(config, actor_tp: int = 1) -> list[str]:
             "rollout.decode_threads is the embedded engine's; vLLM decodes with the worker's threads "
             "(trainer.num_threads_per_worker): remove it"
         )
+    if config.get("decode_steps_per_sync") is not None:
+        problems.append(
+            "rollout.decode_steps_per_sync is the embedded engine's (vLLM schedules its own): remove it"
+        )
     return problems
 
 
