@@ -48,25 +48,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-SMOLLM2_SHAPE = dict(
-    arch="llama",
-    hidden_size=576,
-    num_layers=30,
-    num_heads=9,
-    num_kv_heads=3,
-    intermediate_size=1536,
-    max_position_embeddings=2048,
-    vocab_size=49152,
-)
-
-
 def default_assets(work: Path, shape: str = "tiny") -> tuple[str, str]:
     from hybridflow.models.tiny import build_tiny_model
     from hybridflow.tasks.arithmetic import ArithmeticTaskConfig, write_rl_dataset
 
     train, _ = write_rl_dataset(work / "data", ArithmeticTaskConfig(num_train=2000, num_test=16))
-    sizes = SMOLLM2_SHAPE if shape == "smollm2" else {}
+    sizes = smollm2_sizes() if shape == "smollm2" else {}
     return str(build_tiny_model(work / "model", **sizes)), str(train)
+
+
+def smollm2_sizes() -> dict:
+    """SmolLM2-135M's shape (``rollout_backends.SHAPES``) as :func:`build_tiny_model` arguments."""
+    from rollout_backends import SHAPES  # benchmarks/ is on the path of its scripts
+
+    shape = SHAPES["smollm2"]
+    return dict(
+        arch="llama",
+        hidden_size=shape["hidden_size"],
+        num_layers=shape["num_hidden_layers"],
+        num_heads=shape["num_attention_heads"],
+        num_kv_heads=shape["num_key_value_heads"],
+        intermediate_size=shape["intermediate_size"],
+        max_position_embeddings=shape["max_position_embeddings"],
+        vocab_size=shape["vocab_size"],
+    )
 
 
 def overrides(args: argparse.Namespace, model: str, train: str) -> list[str]:

@@ -33,6 +33,7 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+from rollout_backends import SHAPES  # noqa: E402  (benchmarks/ is on the path of its scripts)
 
 MODELS = {
     # name -> LlamaConfig kwargs (None: the built-in tiny model)
@@ -47,17 +48,7 @@ MODELS = {
         max_position_embeddings=512,
         tie_word_embeddings=True,
     ),
-    "smollm2": dict(  # SmolLM2-135M's shape
-        hidden_size=576,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        intermediate_size=1536,
-        vocab_size=49152,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        rope_theta=100000.0,
-    ),
+    "smollm2": SHAPES["smollm2"],  # SmolLM2-135M's shape, as rollout_backends.py builds it
 }
 
 

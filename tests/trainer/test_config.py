@@ -182,6 +182,20 @@ def test_undelivered_settings_are_rejected(base_overrides, override, message):
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize("key", ["decode_threads", "decode_steps_per_sync"])
+def test_engine_only_keys_are_rejected_with_hf_generate(base_overrides, key):
+    config = load_config(
+        [*base_overrides, "actor_rollout_ref.rollout.name=hf", f"actor_rollout_ref.rollout.{key}=2"]
+    )
+    with pytest.raises(
+        ConfigError, match=f"rollout.{key} is the embedded engine's; HF generate does not read it"
+    ):
+        validate_config(config)
+    validate_config(
+        load_config([*base_overrides, f"actor_rollout_ref.rollout.{key}=2"])
+    )  # the engine reads it
+
+
 def test_rejections_are_listed_together(base_overrides):
     config = load_config(
         [*base_overrides, "actor_rollout_ref.rollout.mode=server", "trainer.del_local_ckpt_after_load=true"]

@@ -257,6 +257,9 @@ def _engine_kwargs_problems(config: DictConfig) -> list[str]:
     ]
 
 
+ENGINE_ONLY_KEYS = ("decode_threads", "decode_steps_per_sync")  # rollout keys only the embedded engine reads
+
+
 def _rollout_backend_problems(config: DictConfig) -> list[str]:
     """The chosen rollout backend's limits: the embedded engine's table, or what vLLM cannot do here."""
     rollout = config.actor_rollout_ref.rollout
@@ -266,6 +269,13 @@ def _rollout_backend_problems(config: DictConfig) -> list[str]:
         return [
             "actor_rollout_ref.rollout.name=sglang is not supported: SGLang's wheels need CUDA and are not "
             "installed on these machines; use rollout.name=vllm (vLLM) or engine (hybridflow's engine)"
+        ]
+    if rollout.name == "hf":
+        return [
+            f"actor_rollout_ref.rollout.{key} is the embedded engine's; HF generate does not read it "
+            "(rollout.name=hf): remove it"
+            for key in ENGINE_ONLY_KEYS
+            if rollout.get(key) is not None
         ]
     if rollout.name != "vllm":
         return []

@@ -115,8 +115,7 @@ class AgentLoopManager:
             ready, _ = ray.wait(pending + list(watching), num_returns=1)
             for ref in ready:
                 if ref in watching:
-                    replica = watching.pop(ref)
-                    ray.get(self.servers[replica].fail.remote(self._serve_failure(ref, replica)))
+                    self._fail_server(ref, watching.pop(ref))
                 else:
                     pending.remove(ref)
         return ray.get(refs)
@@ -138,7 +137,13 @@ class AgentLoopManager:
             for ref in ready:
                 replica = watching.pop(ref)
                 if not stop():
-                    ray.get(self.servers[replica].fail.remote(self._serve_failure(ref, replica)))
+                    self._fail_server(ref, replica)
+
+    def _fail_server(self, serve_ref, replica: int) -> None:
+        """A serve loop ended while serving: fail its server, so the samples waiting on it raise."""
+        import ray
+
+        ray.get(self.servers[replica].fail.remote(self._serve_failure(serve_ref, replica)))
 
     def _finish_serving(self, serve_refs: list) -> list[dict]:
         """Each rank's serve statistics (an error in place of a rank that died)."""

@@ -377,16 +377,7 @@ class LLMEngine:
         if params.greedy or not rows:
             return None
         device = self.model.device
-        values = [
-            (
-                seqs[r].request.params.seed,
-                seqs[r].request.params.seed_sample + seqs[r].index,
-                seqs[r].request.params.seed_position + len(seqs[r].token_ids),
-            )
-            for r in rows
-        ]
-        seeds, samples, positions = torch.tensor(values, dtype=torch.long, device=device).T
-        return torch.tensor(rows, device=device), seeds, samples, positions
+        return torch.tensor(rows, device=device), *_stream_keys(seqs, rows, device)
 
     def _accept(self, seqs: list[_Sequence], logits: torch.Tensor, finished: list[_Request]) -> None:
         """Choose the next token of each sequence from its logits row (B, V) and retire finished ones."""
@@ -457,15 +448,7 @@ class LLMEngine:
             1.0 - torch.rand(len(seqs), generator=self.generator, device=self.generator.device).double()
         )
         rows = [row for row, is_seeded in enumerate(seeded) if is_seeded]
-        values = [
-            (
-                seqs[r].request.params.seed,
-                seqs[r].request.params.seed_sample + seqs[r].index,
-                seqs[r].request.params.seed_position + len(seqs[r].token_ids),
-            )
-            for r in rows
-        ]
-        seeds, samples, positions = torch.tensor(values, dtype=torch.long).T
+        seeds, samples, positions = _stream_keys(seqs, rows, torch.device("cpu"))
         uniforms[torch.tensor(rows)] = seeded_uniforms(seeds, samples, positions).to(uniforms.device)
         return uniforms
 
@@ -498,6 +481,20 @@ class LLMEngine:
                 if request.listener is not None:
                     request.listener.put_nowait(error)
             raise
+
+
+def _stream_keys(seqs: list[_Sequence], rows: list[int], device: torch.device) -> torch.Tensor:
+    """The seeded draw keys of ``rows``: a (3, len(rows)) int64 tensor on ``device`` holding their seeds,
+    sample indices and next stream positions (see :func:`~.sampling.seeded_uniforms`)."""
+    values = [
+        (
+            seqs[r].request.params.seed,
+            seqs[r].request.params.seed_sample + seqs[r].index,
+            seqs[r].request.params.seed_position + len(seqs[r].token_ids),
+        )
+        for r in rows
+    ]
+    return torch.tensor(values, dtype=torch.long, device=device).T
 
 
 def _completion(seq: _Sequence, reason: str) -> Completion:
