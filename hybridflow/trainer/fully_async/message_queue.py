@@ -81,8 +81,11 @@ class GroupQueue:
         return groups, time.monotonic() - start
 
     def fail(self, error: BaseException) -> None:
+        """The rollouter cannot go on: the trainer's next (or current) :meth:`take` raises ``error``.
+        The first failure is kept (later ones are its consequences: groups failing after it)."""
         with self._cond:
-            self._error = error
+            if self._error is None:
+                self._error = error
             self._cond.notify_all()
 
     @property

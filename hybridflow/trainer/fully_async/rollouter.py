@@ -66,9 +66,12 @@ class Rollouter:
         """Stop admitting, abort (partial rollout) or drain what is in flight, stop serving."""
         self._call(self._pause())
 
-    def resume(self, version: int) -> None:
-        """Serve again with the replicas' new weights (``version``) and admit up to the new budget."""
-        self._call(self._resume(int(version)))
+    def resume(self, version: int, synced: bool = True) -> None:
+        """Serve again with the replicas' weights ``version``. After a parameter sync (``synced``) the
+        staleness budget starts over (the groups still outstanding count against it); after a pause
+        that moved no weights (validation) it goes on where it stood, so the groups admitted since the
+        last sync still count."""
+        self._call(self._resume(int(version), bool(synced)))
 
     def stop(self) -> None:
         """End streaming (the run is over or failed): abort what is in flight, stop serving."""
@@ -145,12 +148,36 @@ class Rollouter:
 
     async def _start_serving(self) -> None:
         """Wake the replicas and start their serve loops, watched: a loop that ends while serving (its
-        rank died) fails its server, so the groups waiting on it raise naming the replica."""
+        rank died) fails its server, so the groups waiting on it raise naming the replica. The watcher
+        itself is watched too (:meth:`_watcher_ended`): without it a replica's death would go unseen."""
         self._serving = (await asyncio.to_thread(self.manager.start_serving))[1]
         self._serving_ended = ended = threading.Event()
-        asyncio.get_running_loop().run_in_executor(
+        self._watcher = asyncio.get_running_loop().run_in_executor(
             None, self.manager.watch_serving, self._serving, ended.is_set
         )
+        self._watcher.add_done_callback(self._watcher_ended)
+
+    def _watcher_ended(self, watcher: asyncio.Future) -> None:
+        """The serve-loop watcher returned. Normally because serving ended; if it raised, nothing
+        would notice a replica dying from now on (only ``generate_timeout_s`` later), so the run
+        ends now: the queue fails with the watcher's error, naming the replicas it watched, and the
+        servers fail, so that every sample waiting on them (and a pause draining them) returns."""
+        if watcher.cancelled() or watcher.exception() is None:
+            return
+        error = watcher.exception()
+        names = ", ".join(getattr(self.manager, "server_names", None) or ["the replicas"])
+        reason = (
+            f"the serve-loop watcher of {names} failed: {type(error).__name__}: {error}; a replica "
+            "that died would go unnoticed, so the run stops"
+        )
+        self.queue.fail(RuntimeError(reason))
+        self._loop.create_task(self._fail_servers(reason))
+
+    async def _fail_servers(self, reason: str) -> None:
+        try:
+            await asyncio.to_thread(self.manager.fail_servers, reason)
+        finally:
+            await self._request_stop()
 
     async def _stop_serving(self) -> None:
         self._serving_ended.set()  # a serve loop returning from here on is the normal end
@@ -208,12 +235,12 @@ class Rollouter:
         await asyncio.gather(*list(self.in_flight.values()), return_exceptions=True)
         await self._stop_serving()
 
-    async def _resume(self, version: int) -> None:
+    async def _resume(self, version: int, synced: bool) -> None:
         self.version = version
         await self._start_serving()
         async with self._cond:
-            # verl's reset: what was generated or is waiting and not yet trained counts against the budget
-            self.admitted_since_sync = len(self.in_flight) + len(self.to_resume) + self.queue.size()
+            if synced:  # verl's reset, at a sync only: what is not yet trained counts against the budget
+                self.admitted_since_sync = len(self.in_flight) + len(self.to_resume) + self.queue.size()
             self.paused = False
             self.stats["idle_s"], self.stats["window_start"] = 0.0, time.monotonic()
             self._cond.notify_all()

@@ -181,7 +181,7 @@ class FullyAsyncTrainer(RayPPOTrainer):
         try:
             return super().validate()
         finally:
-            self.rollouter.resume(self.param_version)
+            self.rollouter.resume(self.param_version, synced=False)  # no weights moved: same budget
 
     def fit(self) -> dict[str, float]:
         try:

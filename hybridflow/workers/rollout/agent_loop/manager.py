@@ -136,14 +136,32 @@ class AgentLoopManager:
                 raise
             for ref in ready:
                 replica = watching.pop(ref)
-                if not stop():
+                if stop():
+                    continue
+                try:
                     self._fail_server(ref, replica)
+                except Exception as error:  # the caller ends the run: say which replica it was about
+                    raise RuntimeError(
+                        f"{self.server_names[replica]}: its serve loop ended while serving, and failing "
+                        f"its server raised {type(error).__name__}: {error}"
+                    ) from error
 
     def _fail_server(self, serve_ref, replica: int) -> None:
         """A serve loop ended while serving: fail its server, so the samples waiting on it raise."""
         import ray
 
         ray.get(self.servers[replica].fail.remote(self._serve_failure(serve_ref, replica)))
+
+    def fail_servers(self, reason: str) -> None:
+        """Fail every server (the run is ending): the samples waiting on any replica raise ``reason``
+        instead of waiting for answers. Best effort: a server that cannot be reached is skipped."""
+        import ray
+
+        for server in self.servers:
+            try:
+                ray.get(server.fail.remote(reason), timeout=10)
+            except Exception:  # noqa: S112  (Ray going down: nothing left to wait on it)
+                continue
 
     def _finish_serving(self, serve_refs: list) -> list[dict]:
         """Each rank's serve statistics (an error in place of a rank that died)."""
