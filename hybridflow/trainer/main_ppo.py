@@ -4,9 +4,10 @@ Also ``--config-path DIR --config-name NAME`` with a user YAML whose defaults li
 The config is validated completely, and the checkpoint directory probed, before Ray starts.
 
 Exit codes: 0 done; 1 an error reported in one line (checkpoint directory unusable, a save that
-failed, a reward function that raised or timed out; other errors keep their traceback); 124 a reward
-function stuck in native code (``workers/reward_manager/timeouts.py``); 128 + signal after a
-SIGTERM/SIGINT stop (143 / 130; ``trainer/ppo/preemption.py``).
+failed, no complete checkpoint to resume from, a reward function that raised or timed out; other
+errors keep their traceback); 124 a reward function stuck in native code
+(``workers/reward_manager/timeouts.py``); 128 + signal after a SIGTERM/SIGINT stop (143 / 130;
+``trainer/ppo/preemption.py``).
 """
 
 from __future__ import annotations
@@ -38,11 +39,19 @@ def main(config: DictConfig) -> None:
 def one_line_errors() -> tuple[type[BaseException], ...]:
     """Errors whose message names what failed, where, and what to do."""
     from hybridflow.trainer.ppo.workers_setup import NodeLostError
+    from hybridflow.utils.checkpoint.manifest import CheckpointDamagedError
     from hybridflow.utils.checkpoint.preflight import CheckpointDirError, CheckpointSaveError
     from hybridflow.utils.rollout_parity import RolloutLogProbGapError
     from hybridflow.workers.reward_manager import RewardScoreError
 
-    return CheckpointDirError, CheckpointSaveError, RewardScoreError, NodeLostError, RolloutLogProbGapError
+    return (
+        CheckpointDirError,
+        CheckpointSaveError,
+        CheckpointDamagedError,
+        RewardScoreError,
+        NodeLostError,
+        RolloutLogProbGapError,
+    )
 
 
 def run_ppo(config: DictConfig, worker_groups=None) -> dict[str, float]:

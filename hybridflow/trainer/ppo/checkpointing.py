@@ -1,9 +1,16 @@
 """Trainer-level checkpoints: ``default_local_dir/global_step_N/{actor,critic,data.pt}``.
 
-A save writes every part of step N first and moves ``latest_checkpointed_iteration.txt`` last (an
-atomic rename), so a crash in the middle of a save leaves the previous checkpoint as the one that
-resume finds. ``data.pt`` holds the dataloader position and the trainer's own state (KL coefficient,
-the last rollout log-prob parity check).
+A save marks step N incomplete, writes every part of it (the workers' directories, all ranks returned;
+then ``data.pt``), records every file's size and hash in ``checkpoint_manifest.json``, and moves
+``latest_checkpointed_iteration.txt`` last (atomic renames), so a crash in the middle of a save leaves
+the previous checkpoint as the one that resume finds. ``data.pt`` holds the dataloader position and the
+trainer's own state (KL coefficient, the last rollout log-prob parity check).
+
+Resume (``trainer.resume_mode``): ``auto`` takes the tracker's step if its files match its manifest,
+else the newest older complete step, and says so in one line; without a tracker it scans the step
+directories; with no complete step it raises :class:`CheckpointDamagedError` naming the damage.
+``resume_path`` refuses a damaged step the same way. A step saved before manifests is checked for what
+can be checked without one (``hybridflow/utils/checkpoint/manifest.py``).
 
 Before the first step, :meth:`TrainerCheckpointer.preflight` creates the directory, proves it writable
 and compares its free space with :func:`estimate_checkpoint_bytes`. A save that still fails (the disk
@@ -19,6 +26,14 @@ import shutil
 
 import torch
 
+from hybridflow.utils.checkpoint.manifest import (
+    CheckpointDamagedError,
+    begin_manifest,
+    check_step,
+    manifest_shows_damage,
+    record_pruned_role,
+    write_manifest,
+)
 from hybridflow.utils.checkpoint.preflight import (
     CheckpointSaveError,
     probe_checkpoint_dir,
@@ -26,8 +41,9 @@ from hybridflow.utils.checkpoint.preflight import (
     root_cause,
 )
 from hybridflow.utils.checkpoint.tracker import (
+    STEP_DIR_PATTERN,
     atomic_torch_save,
-    find_latest_ckpt_path,
+    find_resumable_checkpoint,
     global_step_dir,
     list_step_dirs,
     read_latest_checkpointed_iteration,
@@ -66,7 +82,9 @@ class TrainerCheckpointer:
         step = trainer.global_steps
         step_dir = global_step_dir(self.root, step)
         try:
+            begin_manifest(step_dir, step)  # a step half re-saved is never taken for complete
             self._write(trainer, step, step_dir)
+            write_manifest(step_dir, step)  # every worker has returned and data.pt is written
             write_latest_checkpointed_iteration(self.root, step)
         except Exception as err:
             space = _low_space_note(self.root)  # before the clean-up frees what the save wrote
@@ -81,7 +99,8 @@ class TrainerCheckpointer:
 
     def _discard(self, step: int, step_dir: str) -> None:
         """Remove the partial step directory, or, if the tracker already names this step (a rerun
-        re-saving it), only the half-written parts next to its complete ones."""
+        re-saving it), only the half-written parts next to its complete ones (its manifest stays marked
+        incomplete: a resume falls back to the step before)."""
         if read_latest_checkpointed_iteration(self.root) != step:
             remove_partial(step_dir)
             return
@@ -106,17 +125,26 @@ class TrainerCheckpointer:
     def prune(self, protect: int) -> list[str]:
         """``max_actor_ckpt_to_keep`` / ``max_critic_ckpt_to_keep`` (verl): keep the newest N ``actor`` /
         ``critic`` directories each (None or <= 0: all); a step directory left with neither goes
-        whole. ``global_step_{protect}``, the one the tracker names, is never touched. Returns the
-        removed paths."""
+        whole. ``global_step_{protect}``, the one the tracker names, is never touched. A step whose
+        manifest shows damage neither counts toward N nor is touched, so a damaged step never pushes
+        out a complete one. Returns the removed paths."""
         limits = {role: int(self.cfg.get(f"max_{role}_ckpt_to_keep") or 0) for role in ("actor", "critic")}
         steps = list_step_dirs(self.root)
+        if any(keep > 0 for keep in limits.values()):
+            steps = {s: p for s, p in steps.items() if s == protect or not manifest_shows_damage(p)}
         removed = []
         for role, keep in limits.items():
-            for step in sorted(steps, reverse=True)[keep:] if keep > 0 else []:
+            kept = 0
+            for step in sorted(steps, reverse=True) if keep > 0 else []:
                 path = os.path.join(steps[step], role)
-                if step != protect and os.path.isdir(path):
-                    shutil.rmtree(path)
-                    removed.append(path)
+                if not os.path.isdir(path):
+                    continue
+                if step == protect or kept < keep:
+                    kept += 1
+                    continue
+                shutil.rmtree(path)
+                removed.append(path)
+                record_pruned_role(steps[step], role)
         for step, path in steps.items():
             holds_model = any(os.path.isdir(os.path.join(path, role)) for role in limits)
             if step != protect and not holds_model and any(p.startswith(path + os.sep) for p in removed):
@@ -125,11 +153,18 @@ class TrainerCheckpointer:
         return removed
 
     def latest(self) -> str | None:
-        """The checkpoint a resume (``resume_mode=auto``) would load now, or None."""
-        step = read_latest_checkpointed_iteration(self.root) if os.path.isdir(self.root) else None
-        return None if step is None else global_step_dir(self.root, step)
+        """The checkpoint a resume (``resume_mode=auto``) would load now, or None (none, or none
+        complete)."""
+        try:
+            choice = find_resumable_checkpoint(self.root, roles=())
+        except (CheckpointDamagedError, OSError):
+            return None
+        return None if choice is None else choice.path
 
-    def resume_path(self) -> str | None:
+    def resume_path(self, roles=("actor",)) -> str | None:
+        """The step directory to resume from (None: start afresh); ``roles``: the worker directories the
+        resume loads. Raises :class:`CheckpointDamagedError` for a damaged ``resume_from_path`` and when
+        ``auto`` finds step directories but none complete; prints one line when ``auto`` falls back."""
         mode = self.cfg.get("resume_mode", "auto")
         if mode == "disable":
             return None
@@ -139,14 +174,29 @@ class TrainerCheckpointer:
                 raise FileNotFoundError(
                     f"trainer.resume_mode=resume_path but resume_from_path={path!r} is not a directory"
                 )
-            return os.path.expanduser(path)
+            path = os.path.normpath(os.path.expanduser(path))
+            match = STEP_DIR_PATTERN.match(os.path.basename(path))
+            check = check_step(path, roles, int(match.group(1)) if match else None)
+            if not check.complete:
+                raise CheckpointDamagedError(
+                    f"trainer.resume_from_path: checkpoint {check.describe()}; point resume_from_path at a "
+                    "complete step, or use trainer.resume_mode=auto to take the newest complete one"
+                )
+            if check.legacy:
+                print(f"hybridflow: {check.legacy_note()}", flush=True)
+            return path
         if mode != "auto":
             raise ValueError(f"trainer.resume_mode must be auto, disable or resume_path, not {mode!r}")
-        return find_latest_ckpt_path(self.root)
+        choice = find_resumable_checkpoint(self.root, roles)
+        if choice is None:
+            return None
+        if choice.note:
+            print(f"hybridflow: {choice.note}", flush=True)
+        return choice.path
 
     def load(self, trainer) -> int:
         """Restore workers, dataloader and trainer state; returns the step to continue after (0: fresh)."""
-        path = self.resume_path()
+        path = self.resume_path(("actor", "critic") if trainer.wg.critic is not None else ("actor",))
         if path is None:
             return 0
         state = torch.load(os.path.join(path, "data.pt"), weights_only=False)

@@ -1,12 +1,15 @@
-"""Checkpointing: FSDP2 shards via torch.distributed.checkpoint, plus the trainer's step tracker.
+"""Checkpointing: FSDP2 shards via torch.distributed.checkpoint, plus the trainer's step tracker and each
+step's manifest (manifest.py: every file's size and hash, checked at resume).
 
 ``from hybridflow.utils.checkpoint import FSDPCheckpointManager`` imports torch.distributed lazily; the
 tracker functions (tracker.py) import torch only inside ``atomic_torch_save``.
 """
 
+from hybridflow.utils.checkpoint.manifest import CheckpointDamagedError, check_step, write_manifest
 from hybridflow.utils.checkpoint.tracker import (
     atomic_torch_save,
     find_latest_ckpt_path,
+    find_resumable_checkpoint,
     global_step_dir,
     prune_checkpoints,
     read_latest_checkpointed_iteration,
@@ -14,13 +17,17 @@ from hybridflow.utils.checkpoint.tracker import (
 )
 
 __all__ = [
+    "CheckpointDamagedError",
     "FSDPCheckpointManager",
     "atomic_torch_save",
+    "check_step",
     "find_latest_ckpt_path",
+    "find_resumable_checkpoint",
     "global_step_dir",
     "prune_checkpoints",
     "read_latest_checkpointed_iteration",
     "write_latest_checkpointed_iteration",
+    "write_manifest",
 ]
 
 
