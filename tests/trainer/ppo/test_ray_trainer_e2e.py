@@ -7,6 +7,7 @@ reloads the initial weights (``init_model``), so runs are independent.
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -254,6 +255,45 @@ def test_resume_reproduces_the_uninterrupted_run(
     for step in (3, 4):
         for key in COMPARED_KEYS:
             assert resumed[step][key] == pytest.approx(reference[step][key], abs=1e-6), (step, key)
+
+
+def test_auto_resume_skips_a_truncated_shard_in_the_latest_step(
+    reference_run, worker_groups, tiny_model_dir, arithmetic_data, tmp_path, monkeypatch, capsys
+):
+    """Issue 32: step 4's actor shard cut short. ``resume_mode=auto`` names the step, the file and the
+    damage in one line, resumes from step 2, and steps 3 and 4 repeat the uninterrupted run."""
+    shutil.copytree(reference_run["dir"] / "ckpt", tmp_path / "ckpt")
+    shard = tmp_path / "ckpt" / "global_step_4" / "actor" / "model" / "__0_0.distcp"
+    size = shard.stat().st_size
+    with shard.open("r+b") as f:
+        f.truncate(size // 2)
+    monkeypatch.chdir(tmp_path)
+    config = _config(
+        tiny_model_dir,
+        arithmetic_data,
+        tmp_path,
+        **{
+            "trainer.total_training_steps": 4,
+            "trainer.experiment_name": "fallback",
+            "critic.enable": False,
+            "trainer.resume_mode": "auto",
+            "trainer.test_freq": 4,
+        },
+    )
+    run_ppo(config, worker_groups=worker_groups)
+    out = capsys.readouterr().out
+    damaged = [line for line in out.splitlines() if "damaged" in line]
+    step4, step2 = tmp_path / "ckpt" / "global_step_4", tmp_path / "ckpt" / "global_step_2"
+    assert damaged == [
+        f"hybridflow: checkpoint step 4 is damaged (step 4 ({step4}): actor/model/__0_0.distcp: "
+        f"{size // 2} bytes, the manifest says {size} (truncated)); resuming from step 2 ({step2}) instead"
+    ]
+    assert f"resumed from {step2} (step 2)" in out
+    resumed = _metrics(tmp_path / "outputs" / "hybridflow" / "fallback")
+    reference = _metrics(reference_run["dir"] / "outputs" / "hybridflow" / "reference")
+    assert sorted(resumed) == [3, 4]
+    for key in COMPARED_KEYS:
+        assert resumed[3][key] == pytest.approx(reference[3][key], abs=1e-6), key
 
 
 def test_ppo_with_critic_runs_and_logs_value_metrics(
