@@ -69,6 +69,7 @@ class LLMServer:
         self.name = name
         self._queue: deque[tuple[str, list[int], dict]] = deque()
         self._futures: dict[str, asyncio.Future] = {}
+        self._no_log_probs: set[str] = set()  # requests that asked for none (logprobs=false)
         self._aborts: set[str] = set()
         self._wake = asyncio.Event()
         self._stop = False
@@ -102,12 +103,15 @@ class LLMServer:
             )
         future = asyncio.get_running_loop().create_future()
         self._futures[request_id] = future
+        if not (sampling_params or {}).get("logprobs", True):  # rollout.calculate_log_probs=false
+            self._no_log_probs.add(request_id)
         self._queue.append((request_id, [int(t) for t in prompt_ids], dict(sampling_params or {})))
         self._wake.set()
         try:
             return await future
         finally:
             self._futures.pop(request_id, None)
+            self._no_log_probs.discard(request_id)
 
     async def abort(self, request_id: str) -> None:
         """End ``request_id``: it returns what it generated so far (``stop_reason="aborted"``)."""
@@ -160,7 +164,7 @@ class LLMServer:
         future.set_result(
             TokenOutput(
                 token_ids=output["token_ids"],
-                log_probs=output["log_probs"],
+                log_probs=None if output["request_id"] in self._no_log_probs else output["log_probs"],
                 stop_reason=STOP_REASONS.get(output["finish_reason"], output["finish_reason"]),
                 weight_version=output.get("weight_version"),
             )
@@ -276,7 +280,8 @@ def serve_requests(
 def request_params(defaults, sampling: dict, prompt_len: int, max_model_len: int):
     """A request's :class:`SamplingParams`: the rollout's ``defaults`` overridden by verl-style
     ``sampling`` keys. ``max_tokens`` defaults to the rollout's response length, capped by the room
-    left in ``max_model_len``; ``logprobs`` is accepted (log-probs are always returned)."""
+    left in ``max_model_len``; ``logprobs`` is the server's business (the engines always compute them;
+    :class:`LLMServer` drops them from the answer when a request sets ``logprobs`` false)."""
     from dataclasses import replace
 
     if float(sampling.get("repetition_penalty", 1.0)) != 1.0:

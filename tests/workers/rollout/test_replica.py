@@ -89,6 +89,21 @@ def test_abort_returns_the_tokens_so_far(replicas):
     _wait_until(lambda: not engine.has_unfinished())
 
 
+def test_a_request_without_logprobs_gets_none(replicas):
+    """``rollout.calculate_log_probs=false`` in server mode: the agent loops ask with ``logprobs``
+    false and the answer carries no log-probs (before, they came anyway and the batch had a
+    ``rollout_log_probs`` column the setting had turned off)."""
+    server = replicas[0].server
+    asked, not_asked = ray.get(
+        [
+            _generate(server, "lp-1", [5, 6, 7], max_tokens=4, ignore_eos=True, logprobs=True),
+            _generate(server, "lp-0", [5, 6, 7], max_tokens=4, ignore_eos=True, logprobs=False),
+        ]
+    )
+    assert len(asked.log_probs) == 4
+    assert len(not_asked.token_ids) == 4 and not_asked.log_probs is None
+
+
 def test_a_bad_request_fails_alone_and_the_replica_keeps_serving(replicas):
     server = replicas[0].server
     with pytest.raises(ReplicaError, match=r"replica 0: prompt of 100 tokens leaves no room"):

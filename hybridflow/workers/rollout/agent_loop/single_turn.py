@@ -32,6 +32,28 @@ async def prompt_ids_of(loop: AgentLoopBase, kwargs: dict) -> list[int]:
     return await loop.apply_chat_template(list(kwargs["raw_prompt"]))
 
 
+def backend_name(loop: AgentLoopBase) -> str:
+    """How errors name the generation backend: ``rollout.name=engine`` or ``rollout.name=vllm``."""
+    return f"rollout.name={loop.config.actor_rollout_ref.rollout.get('name', 'engine')}"
+
+
+def turn_log_probs(output, wanted: bool, sample: str, backend: str) -> list[float] | None:
+    """The log-probs of one server answer's tokens: None when they were not asked for
+    (``rollout.calculate_log_probs=false``); asked for, exactly one per token, else a ValueError naming
+    the sample and the backend. A missing log-prob is never filled in: a 0 would become pi_old = 1."""
+    if not wanted:
+        return None
+    log_probs = output.log_probs
+    if len(output.token_ids) and (log_probs is None or len(log_probs) != len(output.token_ids)):
+        got = "no" if log_probs is None else str(len(log_probs))
+        raise ValueError(
+            f"sample {sample}: the {backend} server returned {len(output.token_ids)} tokens with {got} "
+            "log-probs; rollout.calculate_log_probs=true needs one per token (the rollout's log-probs "
+            "are pi_old or the importance-weight denominator)"
+        )
+    return [float(x) for x in log_probs or []]
+
+
 def version_span(extra_fields: dict, version: int | None, tokens: int) -> None:
     """Record that ``tokens`` response tokens came from weights ``version`` (``weight_versions``:
     ``[[version, tokens], ...]`` in order)."""
@@ -65,6 +87,7 @@ class SingleTurnAgentLoop(AgentLoopBase):
             response, log_probs, extra, preempted, spent = [], [], {}, 0, 0.0
         request_id = str(kwargs.get("sample_id") or uuid.uuid4().hex)
         params = dict(sampling_params)
+        wanted = bool(params.get("logprobs", True))
         params["max_tokens"] = self.response_length - len(response)
         if params.get("seed") is not None:
             params["seed_position"] = len(response)  # continue the sample's own sampling stream
@@ -73,8 +96,9 @@ class SingleTurnAgentLoop(AgentLoopBase):
             request_id, prompt_ids=prompt_ids + response, sampling_params=params
         )
         spent += time.perf_counter() - start
+        turn = turn_log_probs(output, wanted, request_id, backend_name(self))
         response += output.token_ids
-        log_probs += output.log_probs or [0.0] * len(output.token_ids)
+        log_probs += turn or []
         version_span(extra, output.weight_version, len(output.token_ids))
         aborted = output.stop_reason == "aborted"
         extra["is_partial"] = aborted
@@ -82,7 +106,7 @@ class SingleTurnAgentLoop(AgentLoopBase):
             prompt_ids=prompt_ids,
             response_ids=response[: self.response_length],
             response_mask=[1] * min(len(response), self.response_length),
-            response_logprobs=log_probs[: self.response_length],
+            response_logprobs=log_probs[: self.response_length] if wanted else None,
             num_turns=2,
             metrics=AgentLoopMetrics(generate_sequences=spent, num_preempted=preempted + int(aborted)),
             extra_fields=extra,

@@ -181,7 +181,9 @@ class VLLMEngine:
             for sample in output.outputs:
                 index = first + sample.index
                 pending.token_ids[index].extend(sample.token_ids)
-                pending.log_probs[index].extend(_sampled_log_probs(sample.token_ids, sample.logprobs))
+                pending.log_probs[index].extend(
+                    _sampled_log_probs(sample.token_ids, sample.logprobs, output.request_id)
+                )
                 self.stats["generated_tokens"] += len(sample.token_ids)
                 if sample.finish_reason is not None:
                     pending.finish[index] = str(sample.finish_reason)
@@ -295,11 +297,22 @@ class VLLMEngine:
         return sum(storages.values())
 
 
-def _sampled_log_probs(token_ids, logprobs) -> list[float]:
-    """The sampled tokens' log-probs from vLLM's per-position ``{token: Logprob}`` entries."""
-    if not logprobs:
-        return [0.0] * len(token_ids)
-    return [float(position[token].logprob) for token, position in zip(token_ids, logprobs, strict=True)]
+def _sampled_log_probs(token_ids, logprobs, request_id: str = "?") -> list[float]:
+    """The sampled tokens' log-probs from vLLM's per-position ``{token: Logprob}`` entries. Every request
+    asks for them (``logprobs=0``); tokens without one are an error naming the request: a missing
+    log-prob must never become 0 (pi_old = 1 for the trainer)."""
+    token_ids = list(token_ids)
+    if not token_ids:
+        return []
+    entries = list(logprobs or [])
+    if len(entries) != len(token_ids) or any(
+        entry is None or token not in entry for token, entry in zip(token_ids, entries, strict=True)
+    ):
+        raise ValueError(
+            f"vLLM (rollout.name=vllm) returned {len(token_ids)} tokens for request {request_id} with "
+            f"{len(entries)} log-prob entries, not the sampled token's log-prob at each position"
+        )
+    return [float(entry[token].logprob) for token, entry in zip(token_ids, entries, strict=True)]
 
 
 def _model_runner(llm):
