@@ -80,6 +80,7 @@ class Conversation:
     tool_failures: int = 0
     tool_reward: float = 0.0
     finish_reason: str = ""
+    turn_start: int = 0  # where the last assistant turn's tokens begin in response_ids
 
     def append(self, token_ids: list[int], generated: bool, log_probs: list[float] | None = None) -> None:
         self.response_ids.extend(token_ids)
@@ -180,18 +181,32 @@ class ToolAgentLoop:
         self, prompt_ids: list[int], params: SamplingParams, tools_kwargs: dict | None = None
     ) -> Conversation:
         conv = Conversation(list(prompt_ids))
-        session = _ToolSession(self.tools, tools_kwargs or {}, self.limits.tool_timeout_s)
+        session = self.open_session(tools_kwargs)
         try:
-            await self._converse(conv, params, session)
+            await self.converse(conv, params, session)
             conv.tool_reward += await session.rewards()
         finally:
             await session.release()
+        return self.complete(conv)
+
+    def open_session(self, tools_kwargs: dict | None = None) -> _ToolSession:
+        """One sample's tool instances (created on first use, released by :meth:`_ToolSession.release`)."""
+        return _ToolSession(self.tools, tools_kwargs or {}, self.limits.tool_timeout_s)
+
+    def complete(self, conv: Conversation) -> Conversation:
+        """A finished conversation: cut at ``response_length``, state COMPLETED."""
         conv.truncate(self.limits.response_length)
         conv.state = TurnState.COMPLETED
         return conv
 
-    async def _converse(self, conv: Conversation, params: SamplingParams, session: _ToolSession) -> None:
+    async def converse(self, conv: Conversation, params: SamplingParams, session: _ToolSession) -> None:
+        """Turns until the conversation ends (its ``finish_reason`` says why). A conversation that an
+        abort ended (``finish_reason == "abort"``, partial rollout) continues its cut assistant turn:
+        the turn's tokens so far are kept, the turn is not counted twice, its tool calls are parsed from
+        the whole turn, and no earlier tool call runs again (their answers are already tokens)."""
         limits = self.limits
+        resuming = conv.finish_reason == "abort"
+        conv.finish_reason = ""
         while True:
             budget = limits.response_length - len(conv.response_ids)
             if budget <= 0:
@@ -201,9 +216,12 @@ class ToolAgentLoop:
             turn_params = replace(params, max_new_tokens=budget, seed_position=len(conv.response_ids))
             result = await self.engine.generate(conv.prompt_ids + conv.response_ids, turn_params)
             turn = result.completions[0]
+            if not resuming:
+                conv.turn_start = len(conv.response_ids)
+                conv.assistant_turns += 1
+            resuming = False
             conv.append(turn.token_ids, generated=True, log_probs=turn.log_probs)
-            conv.assistant_turns += 1
-            text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(conv.response_ids[conv.turn_start :], skip_special_tokens=True)
             if len(text) < PARSE_IN_THREAD_CHARS:
                 _, calls, errors = self.parser.parse(text)
             else:  # a long message: keep the event loop (other conversations) moving meanwhile

@@ -1,17 +1,29 @@
-"""``tool_agent``: multi-turn tool use through the servers (verl's ``ToolAgentLoop``).
+"""``tool_agent``: multi-turn tool use through the servers (verl's ``ToolAgentLoop``), resumable.
 
 The conversation machine is the one the synchronous multi-turn rollout runs
 (:class:`hybridflow.workers.rollout.multi_turn.ToolAgentLoop`: tool YAML, sandbox, Hermes parser, turn
 and length limits, tool timeouts); here each assistant turn is a request to the sample's sticky replica
 instead of a call into the rank's engine. Tool-response tokens get mask 0 and log-prob 0.
-An abort (partial rollout) ends the conversation where it stands (``extra_fields["is_partial"]``).
+
+**Partial rollout.** An abort (a parameter sync with ``async_training.partial_rollout``) can only cut an
+assistant turn: tools run between turns. The loop then returns the conversation so far with
+``extra_fields["is_partial"] = True`` and its state (``extra_fields["conversation"]``: turns, tool-call
+counts, where the cut turn began), and keeps the sample's tool instances aside in this process (the
+rollouter sends a group back to the same agent-loop worker). Run again with ``partial_output=<that
+output>``, it continues the cut turn from prompt + response so far, with the same tool instances: every
+token is kept, no tool call runs twice, and the rewards of the tools (``calc_reward``) are taken once,
+when the conversation ends. If the instances are gone (another process resumed it), new ones are created
+and ``extra_fields["tool_session_restarted"]`` says so.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import logging
 import time
 import uuid
+from collections import OrderedDict
 from typing import Any
 
 from hybridflow.workers.rollout.agent_loop.base import (
@@ -20,9 +32,15 @@ from hybridflow.workers.rollout.agent_loop.base import (
     AgentLoopOutput,
     register,
 )
-from hybridflow.workers.rollout.agent_loop.single_turn import prompt_ids_of, version_span
+from hybridflow.workers.rollout.agent_loop.single_turn import (
+    backend_name,
+    prompt_ids_of,
+    turn_log_probs,
+    version_span,
+)
 from hybridflow.workers.rollout.engine import Completion, GenerationResult
 
+logger = logging.getLogger(__name__)
 FINISH_REASONS = {"completed": "stop", "length": "length", "aborted": "abort"}
 
 
@@ -30,12 +48,22 @@ class _ServerTurns:
     """The engine call the conversation machine makes (``await generate(prompt_ids, params)``), as a
     request to the servers. Times the generation (the rest of the loop's time is tools)."""
 
-    def __init__(self, server_manager, request_id: str, sampling_params: dict, prompt_len: int) -> None:
+    def __init__(
+        self,
+        server_manager,
+        request_id: str,
+        sampling_params: dict,
+        prompt_len: int,
+        backend: str,
+        extra: dict | None = None,
+    ) -> None:
         self.server_manager, self.request_id = server_manager, request_id
         self.sampling_params, self.prompt_len = dict(sampling_params), prompt_len
+        self.backend = backend
+        self.wants_log_probs = bool(self.sampling_params.get("logprobs", True))
         self.seconds = 0.0
         self.aborted = False
-        self.extra: dict = {}
+        self.extra: dict = dict(extra or {})
 
     async def generate(self, prompt_ids: list[int], params, n: int = 1, request_id: str | None = None):
         sampling = dict(self.sampling_params, max_tokens=int(params.max_new_tokens))
@@ -49,9 +77,8 @@ class _ServerTurns:
         self.aborted = self.aborted or out.stop_reason == "aborted"
         version_span(self.extra, out.weight_version, len(out.token_ids))
         reason = FINISH_REASONS.get(out.stop_reason or "completed", "stop")
-        completion = Completion(
-            list(out.token_ids), list(out.log_probs or [0.0] * len(out.token_ids)), reason
-        )
+        log_probs = turn_log_probs(out, self.wants_log_probs, self.request_id, self.backend)
+        completion = Completion(list(out.token_ids), log_probs or [0.0] * len(out.token_ids), reason)
         return GenerationResult(self.request_id, list(prompt_ids), [completion])
 
 
@@ -78,12 +105,17 @@ class ToolAgentLoop(AgentLoopBase):
         from hybridflow.workers.rollout.tools.parser import get_tool_call_parser
 
         multi_turn = self.rollout_config.multi_turn
-        prompt_ids = await prompt_ids_of(self, kwargs)
+        partial: AgentLoopOutput | None = kwargs.get("partial_output")
+        request_id = str(kwargs.get("sample_id") or uuid.uuid4().hex)
+        prompt_ids = list(partial.prompt_ids) if partial is not None else await prompt_ids_of(self, kwargs)
+        previous = _Previous(partial)
         turns = _ServerTurns(
             self.server_manager,
-            str(kwargs.get("sample_id") or uuid.uuid4().hex),
+            request_id,
             sampling_params,
             len(prompt_ids),
+            backend_name(self),
+            extra={k: v for k, v in previous.extra.items() if k == "weight_versions"},
         )
         machine = Conversations(
             turns,
@@ -93,29 +125,99 @@ class ToolAgentLoop(AgentLoopBase):
             MultiTurnLimits.from_rollout_config(self.rollout_config),
             self.eos_token_ids,
         )
+        conv, session = previous.conversation(prompt_ids), None
+        if partial is not None:
+            session = _PARKED.pop(request_id, None)
+            if session is None:
+                logger.warning("tool_agent: sample %s resumes with new tool instances", request_id)
+                turns.extra["tool_session_restarted"] = True
+        if session is None:
+            session = machine.open_session(dict(kwargs.get("tools_kwargs") or {}))
         start = time.perf_counter()
-        conv = await machine.run(prompt_ids, _engine_params(), dict(kwargs.get("tools_kwargs") or {}))
+        try:
+            await machine.converse(conv, _engine_params(), session)
+        except BaseException:
+            await session.release()
+            raise
+        if turns.aborted:  # cut mid-turn: resumable, with the same tool instances
+            _park(request_id, session)
+        else:
+            try:
+                conv.tool_reward += await session.rewards()
+            finally:
+                await session.release()
+            machine.complete(conv)
         total = time.perf_counter() - start
         extra = {
+            **previous.extra,
             **turns.extra,
             "is_partial": turns.aborted,
             "tool_calls": conv.tool_calls,
             "tool_failures": conv.tool_failures,
             "tool_rewards": conv.tool_reward,
+            "conversation": _state(conv),
         }
         return AgentLoopOutput(
             prompt_ids=prompt_ids,
             response_ids=conv.response_ids,
             response_mask=conv.response_mask,
-            response_logprobs=conv.log_probs,
+            response_logprobs=conv.log_probs if turns.wants_log_probs else None,
             num_turns=conv.assistant_turns + conv.user_turns + 1,
             metrics=AgentLoopMetrics(
-                generate_sequences=turns.seconds,
-                tool_calls=max(total - turns.seconds, 0.0),
-                num_preempted=int(turns.aborted),
+                generate_sequences=previous.generate_s + turns.seconds,
+                tool_calls=previous.tool_s + max(total - turns.seconds, 0.0),
+                num_preempted=previous.preempted + int(turns.aborted),
             ),
             extra_fields=extra,
         )
+
+
+# A conversation's counters kept across an abort (extra_fields["conversation"]).
+STATE_FIELDS = ("assistant_turns", "user_turns", "tool_calls", "tool_failures", "turn_start", "finish_reason")
+
+
+def _state(conv) -> dict:
+    return {name: getattr(conv, name) for name in STATE_FIELDS}
+
+
+class _Previous:
+    """What a resumed sample had: its tokens, counters, times (all empty for a new sample)."""
+
+    def __init__(self, partial: AgentLoopOutput | None) -> None:
+        self.partial = partial
+        self.extra = dict(partial.extra_fields) if partial is not None else {}
+        self.extra.pop("tool_session_restarted", None)
+        metrics = partial.metrics if partial is not None else AgentLoopMetrics()
+        self.generate_s, self.tool_s = metrics.generate_sequences, metrics.tool_calls
+        self.preempted = max(metrics.num_preempted, 0)
+
+    def conversation(self, prompt_ids: list[int]):
+        """The machine's conversation: new, or the cut one with its tokens and counters."""
+        from hybridflow.workers.rollout.multi_turn import Conversation
+
+        conv = Conversation(list(prompt_ids))
+        if self.partial is None:
+            return conv
+        out = self.partial
+        conv.response_ids, conv.response_mask = list(out.response_ids), list(out.response_mask)
+        conv.log_probs = list(out.response_logprobs or [0.0] * len(out.response_ids))
+        for name, value in (self.extra.get("conversation") or {}).items():
+            setattr(conv, name, value)
+        conv.finish_reason = "abort"  # continue the cut turn
+        return conv
+
+
+MAX_PARKED = 4096  # tool sessions of aborted samples kept for their resume, per process
+_PARKED: OrderedDict = OrderedDict()  # sample id -> its tool session (this process's event loop only)
+
+
+def _park(request_id: str, session) -> None:
+    """Keep an aborted sample's tool instances for its resume; past :data:`MAX_PARKED` the oldest are
+    released (a run that stopped never resumes them)."""
+    _PARKED[request_id] = session
+    while len(_PARKED) > MAX_PARKED:
+        _, oldest = _PARKED.popitem(last=False)
+        asyncio.get_running_loop().create_task(oldest.release())
 
 
 def _engine_params():
