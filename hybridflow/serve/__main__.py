@@ -24,6 +24,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("HYBRIDFLOW_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* and /stats (default: $HYBRIDFLOW_API_KEY; "
+        "unset: open)",
+    )
+    parser.add_argument("--max-n", type=int, default=32, help="samples per request at most")
+    parser.add_argument("--max-prompts", type=int, default=32, help="prompts per /v1/completions request")
+    parser.add_argument(
+        "--max-waiting", type=int, default=256, help="queued requests before new ones get 503 + Retry-After"
+    )
+    parser.add_argument("--max-request-bytes", type=int, default=4 << 20, help="the largest request body")
     return parser.parse_args(argv)
 
 
@@ -55,6 +67,8 @@ def run_vllm(args: argparse.Namespace) -> None:
         command += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     if args.max_model_len:
         command += ["--max-model-len", str(args.max_model_len)]
+    if args.api_key:  # vLLM's server guards /v1/* with the same bearer key
+        command += ["--api-key", args.api_key]
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(args.kv_cache_memory_gb)))
     os.execv(sys.executable, command)
 
@@ -73,7 +87,7 @@ def build_service(args: argparse.Namespace):
     from transformers import AutoModelForCausalLM
 
     from hybridflow.models.loading import get_generation_eos_ids, load_tokenizer
-    from hybridflow.serve.app import EngineService
+    from hybridflow.serve.app import EngineService, ServerLimits
     from hybridflow.workers.rollout.engine import EngineModel
     from hybridflow.workers.rollout.engine_rollout import build_llm_engine
 
@@ -92,9 +106,11 @@ def build_service(args: argparse.Namespace):
     }
     engine = build_llm_engine(model, OmegaConf.create(settings))
     engine.resume()  # a server keeps its cache
+    engine.step_in_thread = True  # the event loop keeps answering (/health) while the engine steps
     tokenizer = load_tokenizer(path)
+    limits = ServerLimits(max_n=args.max_n, max_prompts=args.max_prompts, max_waiting=args.max_waiting)
     return EngineService(
-        engine, tokenizer, args.served_model_name or args.model, get_generation_eos_ids(path)
+        engine, tokenizer, args.served_model_name or args.model, get_generation_eos_ids(path), limits
     )
 
 
@@ -108,8 +124,13 @@ def main(argv: list[str] | None = None) -> None:
     from hybridflow.serve.app import build_app
 
     service = build_service(args)
-    print(f"hybridflow.serve: {service.model_name} on http://{args.host}:{args.port}/v1 (engine)", flush=True)
-    uvicorn.run(build_app(service), host=args.host, port=args.port, log_level="warning")
+    guard = "API key required" if args.api_key else "no API key: open to anyone who can reach it"
+    print(
+        f"hybridflow.serve: {service.model_name} on http://{args.host}:{args.port}/v1 (engine; {guard})",
+        flush=True,
+    )
+    app = build_app(service, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -11,20 +11,29 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 16  # stop strings per request, each of at most MAX_STOP_LENGTH characters
+MAX_STOP_LENGTH = 256
 
 
 class APIError(Exception):
     """An OpenAI-style error: ``status`` (4xx) and ``{"error": {message, type, param, code}}``."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.headers = headers
 
     def body(self) -> dict:
-        code = {404: "model_not_found"}.get(self.status)
+        code = {404: "model_not_found", 503: "server_busy"}.get(self.status)
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": code}}
 
 
@@ -32,15 +41,24 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")  # fields of the API this server does not act on are ignored
 
     model: str
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=128)  # and at most the server's --max-n
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
     max_tokens: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: str | list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stream: bool = False
     stream_options: dict | None = None
+    ignore_eos: bool = False  # vLLM's extra sampling parameter: decode on past the stop tokens
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings_are_short(cls, stop):
+        for text in [stop] if isinstance(stop, str) else stop or []:
+            if len(text) > MAX_STOP_LENGTH:
+                raise ValueError(f"a stop string may have at most {MAX_STOP_LENGTH} characters")
+        return stop
 
 
 class ChatCompletionRequest(_Request):
@@ -62,6 +80,21 @@ def stop_strings(stop) -> list[str]:
     if stop is None:
         return []
     return [stop] if isinstance(stop, str) else [s for s in stop if s]
+
+
+def stop_checker(tokenizer, stops: list[str]):
+    """The engine's stop check for ``stops`` (None without any): whether the text of a sample's latest
+    tokens contains one. It decodes only a tail long enough to hold the longest stop string (a token
+    carries at least one byte, a character at most four), so a check costs the same at any length."""
+    if not stops:
+        return None
+    window = 4 * max(len(s) for s in stops) + 4
+
+    def check(token_ids: list[int]) -> bool:
+        tail = tokenizer.decode(token_ids[-window:], skip_special_tokens=True)
+        return any(s in tail for s in stops)
+
+    return check
 
 
 def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:

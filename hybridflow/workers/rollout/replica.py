@@ -317,6 +317,8 @@ def request_params(defaults, sampling: dict, prompt_len: int, max_model_len: int
 
 
 def _output(result, weight_version: int) -> dict:
+    if getattr(result, "error", None) is not None:  # failed inside the engine: this request alone
+        return {"request_id": result.request_id, "error": result.error}
     completion = result.completions[0]
     return {
         "request_id": result.request_id,

@@ -18,73 +18,37 @@ come from the engine's generator, whose stream then covers the dropped tokens to
 
 - :meth:`LLMEngine.generate_batch` — a list of prompts in, their completions out (the rollout's path);
 - ``await engine.generate(prompt_ids, params)`` — one request; many concurrent calls (multi-turn
-  conversations) share the running batch.
+  conversations) share the running batch. With ``step_in_thread`` (the OpenAI server) each step runs in
+  the engine's own thread, so the event loop keeps answering while a long prefill runs.
+
+**One request fails alone.** A request is checked when it is added (token ids within the vocabulary,
+a seed within int64, room in the context and the cache: ``ValueError``). A request whose prefill
+raises inside the engine is retried alone and, failing again, ends with ``finish_reason="error"`` and
+``GenerationResult.error`` (``generate`` raises :class:`EngineRequestError`); a logits processor or
+stop checker that raises fails its own request. The batch's other requests go on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from dataclasses import dataclass, field
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from hybridflow.workers.rollout.engine.kv_cache import KVCache
 from hybridflow.workers.rollout.engine.model import EngineModel
+from hybridflow.workers.rollout.engine.requests import (
+    Completion,
+    EngineRequest,
+    EngineRequestError,
+    GenerationResult,
+    RunningSequence,
+    finished_completion,
+    raise_failed,
+)
 from hybridflow.workers.rollout.engine.sampling import SamplingParams, choose_tokens, seeded_uniforms
-
-
-@dataclass
-class Completion:
-    """One sampled continuation: ``token_ids`` include the stop token when ``finish_reason == "stop"``.
-    ``top_log_probs``: per token, the ``SamplingParams.logprobs`` most likely (token, log-prob) pairs
-    under the distribution it was drawn from (None when not asked for)."""
-
-    token_ids: list[int]
-    log_probs: list[float]
-    finish_reason: str  # "stop" | "length" | "abort"
-    top_log_probs: list[list[tuple[int, float]]] | None = None
-
-
-@dataclass
-class GenerationResult:
-    request_id: str
-    prompt_token_ids: list[int]
-    completions: list[Completion]
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    n: int
-    stop_ids: frozenset[int]
-    max_new_tokens: int
-    completions: list[Completion | None] = field(default_factory=list)
-    future: asyncio.Future | None = None
-    listener: asyncio.Queue | None = None  # stream(): (sample, token, log-prob) per token, then the result
-
-    @property
-    def done(self) -> bool:
-        return all(c is not None for c in self.completions)
-
-    def result(self) -> GenerationResult:
-        return GenerationResult(self.request_id, self.prompt_ids, list(self.completions))
-
-
-@dataclass
-class _Sequence:
-    """One running sample. ``length`` tokens are in its cache slot; ``pending`` is the next to feed."""
-
-    request: _Request
-    index: int
-    slot: int
-    length: int
-    pending: int = -1
-    token_ids: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    top_log_probs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -118,12 +82,28 @@ class LLMEngine:
             model.spec, max_num_seqs, max_model_len, model.dtype, model.device, allocate=allocate_cache
         )
         self.generator = torch.Generator(device=model.device).manual_seed(int(seed))
-        self._waiting: list[_Request] = []
-        self._running: list[_Sequence] = []
+        self._waiting: list[EngineRequest] = []
+        self._running: list[RunningSequence] = []
         self._ids = itertools.count()
         self._loop_task: asyncio.Task | None = None
+        # step_in_thread: the async API steps in ``_executor``'s thread (requests join through the lock,
+        # aborts asked while a step runs wait in ``_pending_aborts``, results go back to the loop)
+        self.step_in_thread = False
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._pending_aborts: list[str] = []
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._stepping_in_thread = False
+        self._step_thread: threading.Thread | None = None
         # host_reads: decode results read back to the host (one per step, or one per burst)
-        self.stats = {"prefill_tokens": 0, "decode_steps": 0, "generated_tokens": 0, "host_reads": 0}
+        self.stats = {
+            "prefill_tokens": 0,
+            "decode_steps": 0,
+            "generated_tokens": 0,
+            "host_reads": 0,
+            "aborted_requests": 0,
+            "failed_requests": 0,
+        }
 
     # ------------------------------------------------------------------ public API
     def reseed(self, seed: int) -> None:
@@ -131,11 +111,17 @@ class LLMEngine:
 
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, n: int = 1, request_id: str | None = None
-    ) -> _Request:
+    ) -> EngineRequest:
         """Queue a prompt for ``n`` samples; returns the request (its ``completions`` fill as they end)."""
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise ValueError("empty prompt: the engine needs at least one prompt token")
+        vocab = self.model.full_spec.vocab_size
+        outside = [t for t in prompt_ids if not 0 <= t < vocab]
+        if outside:
+            raise ValueError(f"token id {outside[0]} is outside the model's vocabulary [0, {vocab})")
+        if params.seed is not None and not -(2**63) <= params.seed < 2**63:
+            raise ValueError(f"seed {params.seed} does not fit in a signed 64-bit integer")
         max_len = self.cache.max_len  # max_model_len, or less where resume() sized the cache down
         if len(prompt_ids) >= max_len:
             raise ValueError(
@@ -147,7 +133,7 @@ class LLMEngine:
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else self.eos_token_ids
         )
-        request = _Request(
+        request = EngineRequest(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_ids=prompt_ids,
             params=params,
@@ -156,7 +142,8 @@ class LLMEngine:
             max_new_tokens=min(params.max_new_tokens, max_len - len(prompt_ids)),
             completions=[None] * int(n),
         )
-        self._waiting.append(request)
+        with self._lock:
+            self._waiting.append(request)
         return request
 
     def has_unfinished(self) -> bool:
@@ -166,6 +153,11 @@ class LLMEngine:
     def num_running(self) -> int:
         return len(self._running)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests added and not yet admitted into cache slots."""
+        return len(self._waiting)
+
     def generate_batch(
         self, prompts: list[list[int]], params: SamplingParams, n: int = 1
     ) -> list[GenerationResult]:
@@ -173,6 +165,7 @@ class LLMEngine:
         requests = [self.add_request(p, params, n) for p in prompts]
         while not all(r.done for r in requests):
             self.step()
+        raise_failed(requests)
         return [r.result() for r in requests]
 
     async def generate(
@@ -181,9 +174,12 @@ class LLMEngine:
         """Generate for one prompt, sharing the running batch with every other pending call."""
         request = self.add_request(prompt_ids, params, n, request_id)
         request.future = asyncio.get_running_loop().create_future()
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
-        return await request.future
+        self._ensure_loop()
+        try:
+            return await request.future
+        except asyncio.CancelledError:  # the caller gave up (a client disconnected): free its slots
+            self.abort(request.request_id)
+            raise
 
     async def stream(
         self, prompt_ids: list[int], params: SamplingParams, n: int = 1, request_id: str | None = None
@@ -192,15 +188,30 @@ class LLMEngine:
         as it is chosen, then the :class:`GenerationResult`."""
         request = self.add_request(prompt_ids, params, n, request_id)
         request.listener = asyncio.Queue()
+        self._ensure_loop()
+        ended = False
+        try:
+            while True:
+                event = await request.listener.get()
+                if isinstance(event, BaseException):
+                    ended = True
+                    raise event
+                if isinstance(event, GenerationResult):
+                    ended = True
+                    if event.error is not None:
+                        raise EngineRequestError(event.error)
+                    yield event
+                    return
+                yield event
+        finally:
+            if not ended:  # the consumer stopped reading (a client disconnected): free its slots
+                self.abort(request.request_id)
+
+    def _ensure_loop(self) -> None:
+        loop = asyncio.get_running_loop()
         if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
-        while True:
-            event = await request.listener.get()
-            if isinstance(event, BaseException):
-                raise event
-            yield event
-            if isinstance(event, GenerationResult):
-                return
+            self._event_loop = loop
+            self._loop_task = loop.create_task(self._run_loop())
 
     def release(self) -> None:
         """Free the KV cache (between rollouts); the weights stay."""
@@ -217,21 +228,27 @@ class LLMEngine:
     # ------------------------------------------------------------------ scheduling
     def abort(self, request_id: str) -> GenerationResult | None:
         """End ``request_id`` now: each unfinished sample keeps the tokens (and log-probs) generated so
-        far, with ``finish_reason="abort"``; its cache slots are freed. None when no such request runs."""
-        request = next((r for r in self._waiting if r.request_id == request_id), None)
-        if request is not None:
-            self._waiting.remove(request)
+        far, with ``finish_reason="abort"``; its cache slots are freed. None when no such request runs.
+        Asked while a step runs in the engine's thread, the abort happens before the next step (None)."""
+        if self._stepping_in_thread and threading.current_thread() is not self._step_thread:
+            self._pending_aborts.append(request_id)
+            return None
+        with self._lock:
+            request = next((r for r in self._waiting if r.request_id == request_id), None)
+            if request is not None:
+                self._waiting.remove(request)
         for seq in self._running:
             if seq.request.request_id == request_id and seq.pending != -2:
                 request = seq.request
-                request.completions[seq.index] = _completion(seq, "abort")
+                request.completions[seq.index] = finished_completion(seq, "abort")
                 seq.pending = -2  # retired: _compact frees its slot
         if request is None:
             return None
+        self.stats["aborted_requests"] += 1
         self._compact()
         request.completions = [c or Completion([], [], "abort") for c in request.completions]
         result = request.result()
-        _deliver(request, result)
+        self._deliver(request, result)
         return result
 
     def step(self) -> list[GenerationResult]:
@@ -239,7 +256,9 @@ class LLMEngine:
         Returns the results of the requests that finished in this step."""
         if not self.cache.allocated:
             raise RuntimeError("the KV cache is released; call resume() before generating")
-        finished: list[_Request] = []
+        while self._pending_aborts:
+            self.abort(self._pending_aborts.pop())
+        finished: list[EngineRequest] = []
         admitted = self._admit()
         if admitted:
             self._prefill(admitted, finished)
@@ -253,24 +272,59 @@ class LLMEngine:
             self._compact()
         results = [request.result() for request in finished]
         for request, result in zip(finished, results, strict=True):
-            _deliver(request, result)
+            self._deliver(request, result)
         return results
 
-    def _admit(self) -> list[_Request]:
+    def _admit(self) -> list[EngineRequest]:
         free = self.cache.num_slots - len(self._running)
         admitted, widest = [], 0
-        while self._waiting and self._waiting[0].n <= free:
-            request = self._waiting[0]
-            width = max(widest, len(request.prompt_ids))
-            if admitted and (len(admitted) + 1) * width > self.max_num_batched_tokens:
-                break
-            self._waiting.pop(0)
-            admitted.append(request)
-            free -= request.n
-            widest = width
+        with self._lock:
+            while self._waiting and self._waiting[0].n <= free:
+                request = self._waiting[0]
+                width = max(widest, len(request.prompt_ids))
+                if admitted and (len(admitted) + 1) * width > self.max_num_batched_tokens:
+                    break
+                self._waiting.pop(0)
+                admitted.append(request)
+                free -= request.n
+                widest = width
         return admitted
 
-    def _prefill(self, requests: list[_Request], finished: list[_Request]) -> None:
+    def _prefill(self, requests: list[EngineRequest], finished: list[EngineRequest]) -> None:
+        """Prefill ``requests`` together; if that raises, each alone, so that a request whose prefill
+        fails fails by itself (:meth:`_fail`) and the others start."""
+        try:
+            self._prefill_together(requests, finished)
+        except Exception as error:
+            if len(requests) == 1:
+                self._fail(requests[0], error, finished)
+                return
+            for request in requests:
+                try:
+                    self._prefill_together([request], finished)
+                except Exception as alone:
+                    self._fail(request, alone, finished)
+
+    def _fail(self, request: EngineRequest, error: BaseException, finished: list[EngineRequest]) -> None:
+        """End ``request`` with ``error``: its running samples retire (their slots free at the next
+        compaction) with the tokens they have, ``finish_reason="error"``."""
+        if request.error is not None:
+            return
+        request.error = error
+        self.stats["failed_requests"] += 1
+        for seq in self._running:
+            if seq.request is request and seq.pending != -2:
+                seq.pending = -2
+        request.completions = [
+            Completion(c.token_ids, c.log_probs, "error") if c else Completion([], [], "error")
+            for c in request.completions
+        ]
+        for seq in self._running:
+            if seq.request is request:
+                request.completions[seq.index] = Completion(seq.token_ids, seq.log_probs, "error")
+        finished.append(request)
+
+    def _prefill_together(self, requests: list[EngineRequest], finished: list[EngineRequest]) -> None:
         device = self.model.device
         lengths = [len(r.prompt_ids) for r in requests]
         tokens = torch.zeros(len(requests), max(lengths), dtype=torch.long)
@@ -280,7 +334,9 @@ class LLMEngine:
         for row, request in enumerate(requests):
             for index in range(request.n):
                 new_seqs.append(
-                    _Sequence(request, index, slot=len(self._running) + len(new_seqs), length=lengths[row])
+                    RunningSequence(
+                        request, index, slot=len(self._running) + len(new_seqs), length=lengths[row]
+                    )
                 )
                 source.append(row)
         slots = torch.tensor([s.slot for s in new_seqs], device=device)
@@ -295,7 +351,7 @@ class LLMEngine:
         self.stats["prefill_tokens"] += sum(lengths)
         self._accept(new_seqs, logits[torch.tensor(source, device=device)], finished)
 
-    def _decode(self, finished: list[_Request]) -> None:
+    def _decode(self, finished: list[EngineRequest]) -> None:
         device = self.model.device
         running = self._running
         tokens = torch.tensor([s.pending for s in running], device=device)
@@ -318,6 +374,7 @@ class LLMEngine:
             params = seq.request.params
             if (
                 params.logits_processor
+                or params.stop_checker
                 or params.logprobs > 0
                 or seq.request.listener is not None
                 or params.choice_key() != key
@@ -328,7 +385,7 @@ class LLMEngine:
         )
         return max(1, min(self.decode_steps_per_sync, room))
 
-    def _decode_burst(self, steps: int, finished: list[_Request]) -> None:
+    def _decode_burst(self, steps: int, finished: list[EngineRequest]) -> None:
         """``steps`` decode steps for every running sequence with one read back, then the step-by-step
         acceptance on the host (see the module docstring)."""
         device = self.model.device
@@ -370,7 +427,7 @@ class LLMEngine:
                 finished,
             )
 
-    def _seeded_streams(self, seqs: list[_Sequence], params: SamplingParams):
+    def _seeded_streams(self, seqs: list[RunningSequence], params: SamplingParams):
         """For a sampled burst with seeded rows: (rows, seeds, sample indices, next positions) as device
         tensors, so each step's draws are made on the device; else None."""
         rows = [row for row, seq in enumerate(seqs) if seq.request.params.seed is not None]
@@ -379,24 +436,28 @@ class LLMEngine:
         device = self.model.device
         return torch.tensor(rows, device=device), *_stream_keys(seqs, rows, device)
 
-    def _accept(self, seqs: list[_Sequence], logits: torch.Tensor, finished: list[_Request]) -> None:
+    def _accept(
+        self, seqs: list[RunningSequence], logits: torch.Tensor, finished: list[EngineRequest]
+    ) -> None:
         """Choose the next token of each sequence from its logits row (B, V) and retire finished ones."""
-        tokens, log_probs = self._choose(seqs, logits)
+        tokens, log_probs = self._choose(seqs, logits, finished)
         self.stats["generated_tokens"] += len(seqs)
         self.stats["host_reads"] += 1
         self._take(seqs, tokens.tolist(), log_probs.tolist(), _top_alternatives(seqs, logits), finished)
 
     def _take(
         self,
-        seqs: list[_Sequence],
+        seqs: list[RunningSequence],
         tokens: list[int],
         log_probs: list[float],
         tops: dict[int, list[tuple[int, float]]],
-        finished: list[_Request],
+        finished: list[EngineRequest],
     ) -> None:
         """Append each sequence's chosen token (and log-prob) and retire those that stop or reach their
         length."""
         for row, (seq, token, log_prob) in enumerate(zip(seqs, tokens, log_probs, strict=True)):
+            if seq.pending == -2:  # failed in this step (its logits processor raised)
+                continue
             seq.token_ids.append(token)
             seq.log_probs.append(log_prob)
             if row in tops:
@@ -404,24 +465,42 @@ class LLMEngine:
             seq.pending = token
             request = seq.request
             if request.listener is not None:
-                request.listener.put_nowait((seq.index, token, log_prob))
+                self._to_loop(request.listener.put_nowait, (seq.index, token, log_prob, tops.get(row)))
             if token in request.stop_ids:
                 reason = "stop"
             elif len(seq.token_ids) >= request.max_new_tokens:
                 reason = "length"
+            elif request.params.stop_checker is not None and self._stops(seq, finished):
+                if seq.pending == -2:
+                    continue  # the checker raised: the request failed
+                reason = "stop"
             else:
                 continue
-            request.completions[seq.index] = _completion(seq, reason)
+            request.completions[seq.index] = finished_completion(seq, reason)
             seq.pending = -2  # retired: removed from the batch by _compact
             if request.done:
                 finished.append(request)
 
-    def _choose(self, seqs: list[_Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _stops(self, seq: RunningSequence, finished: list[EngineRequest]) -> bool:
+        """Whether the request's stop checker (stop strings) ends ``seq`` at its latest token; a checker
+        that raises fails the request."""
+        try:
+            return bool(seq.request.params.stop_checker(seq.token_ids))
+        except Exception as error:
+            self._fail(seq.request, error, finished)
+            return True
+
+    def _choose(
+        self, seqs: list[RunningSequence], logits: torch.Tensor, finished: list[EngineRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         processed = [(row, seq) for row, seq in enumerate(seqs) if seq.request.params.logits_processor]
         if processed:
             logits = logits.clone()
             for row, seq in processed:
-                logits[row] = seq.request.params.logits_processor(seq.token_ids, logits[row])
+                try:
+                    logits[row] = seq.request.params.logits_processor(seq.token_ids, logits[row])
+                except Exception as error:  # this request fails; the row's token is not taken
+                    self._fail(seq.request, error, finished)
         groups: dict[tuple, list[int]] = {}
         for row, seq in enumerate(seqs):
             groups.setdefault(seq.request.params.choice_key(), []).append(row)
@@ -437,7 +516,7 @@ class LLMEngine:
             tokens[index], log_probs[index] = choose_tokens(logits[index], params, self.generator, uniforms)
         return tokens, log_probs
 
-    def _uniforms(self, seqs: list[_Sequence], params: SamplingParams) -> torch.Tensor | None:
+    def _uniforms(self, seqs: list[RunningSequence], params: SamplingParams) -> torch.Tensor | None:
         """Each row's draw when any row samples from a seeded stream (see :mod:`.sampling`): seeded rows
         from (seed, sample index, position), the others from the engine's generator. None when no row
         is seeded (or the rows are greedy): :func:`choose_tokens` draws from the generator itself."""
@@ -467,14 +546,25 @@ class LLMEngine:
         self._running = sorted(alive, key=lambda s: s.slot)
 
     async def _run_loop(self) -> None:
-        """Step while anything is pending, yielding to the event loop between steps."""
+        """Step while anything is pending, yielding to the event loop between steps (with
+        ``step_in_thread``, awaiting each step run in the engine's thread)."""
         try:
             while self.has_unfinished():
-                self.step()
+                if self.step_in_thread:
+                    if self._executor is None:
+                        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+                    self._stepping_in_thread = True
+                    try:
+                        await asyncio.get_running_loop().run_in_executor(self._executor, self._thread_step)
+                    finally:
+                        self._stepping_in_thread = False
+                else:
+                    self.step()
                 await asyncio.sleep(0)
-        except Exception as error:  # every waiter learns what broke the batch
-            pending = [r for r in self._waiting] + [s.request for s in self._running]
-            self._waiting, self._running = [], []
+        except Exception as error:  # a failure no single request explains: every waiter learns it
+            with self._lock:
+                pending = [r for r in self._waiting] + [s.request for s in self._running]
+                self._waiting, self._running = [], []
             for request in {id(r): r for r in pending}.values():
                 if request.future is not None and not request.future.done():
                     request.future.set_exception(error)
@@ -482,8 +572,35 @@ class LLMEngine:
                     request.listener.put_nowait(error)
             raise
 
+    def _thread_step(self) -> None:
+        self._step_thread = threading.current_thread()
+        self.step()
 
-def _stream_keys(seqs: list[_Sequence], rows: list[int], device: torch.device) -> torch.Tensor:
+    def _to_loop(self, callback, *args) -> None:
+        """Run ``callback(*args)`` on the event loop: now, or from the step thread via the loop."""
+        if self._stepping_in_thread and self._event_loop is not None:
+            self._event_loop.call_soon_threadsafe(callback, *args)
+        else:
+            callback(*args)
+
+    def _deliver(self, request: EngineRequest, result: GenerationResult) -> None:
+        """Hand a finished request's result to whoever awaits it (``generate`` / ``stream``)."""
+        if request.future is not None:
+            self._to_loop(_settle, request.future, result)
+        if request.listener is not None:
+            self._to_loop(request.listener.put_nowait, result)
+
+
+def _settle(future: asyncio.Future, result: GenerationResult) -> None:
+    if future.done():
+        return
+    if result.error is not None:
+        future.set_exception(EngineRequestError(result.error))
+    else:
+        future.set_result(result)
+
+
+def _stream_keys(seqs: list[RunningSequence], rows: list[int], device: torch.device) -> torch.Tensor:
     """The seeded draw keys of ``rows``: a (3, len(rows)) int64 tensor on ``device`` holding their seeds,
     sample indices and next stream positions (see :func:`~.sampling.seeded_uniforms`)."""
     values = [
@@ -497,20 +614,9 @@ def _stream_keys(seqs: list[_Sequence], rows: list[int], device: torch.device) -
     return torch.tensor(values, dtype=torch.long, device=device).T
 
 
-def _completion(seq: _Sequence, reason: str) -> Completion:
-    tops = seq.top_log_probs if seq.request.params.logprobs > 0 else None
-    return Completion(seq.token_ids, seq.log_probs, reason, tops)
-
-
-def _deliver(request: _Request, result: GenerationResult) -> None:
-    """Hand a finished request's result to whoever awaits it (``generate`` / ``stream``)."""
-    if request.future is not None and not request.future.done():
-        request.future.set_result(result)
-    if request.listener is not None:
-        request.listener.put_nowait(result)
-
-
-def _top_alternatives(seqs: list[_Sequence], logits: torch.Tensor) -> dict[int, list[tuple[int, float]]]:
+def _top_alternatives(
+    seqs: list[RunningSequence], logits: torch.Tensor
+) -> dict[int, list[tuple[int, float]]]:
     """Row -> the ``params.logprobs`` most likely (token, log-prob) pairs of the distribution the row
     samples from (its temperature; untempered when greedy), for the rows that ask."""
     found: dict[int, list[tuple[int, float]]] = {}

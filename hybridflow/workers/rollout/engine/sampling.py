@@ -36,6 +36,9 @@ class SamplingParams:
     logits_processor: Callable[[list[int], torch.Tensor], torch.Tensor] | None = None
     # also report this many most likely (token, log-prob) alternatives per generated token
     logprobs: int = 0
+    # (this sequence's generated ids) -> True to end it at its latest token, finish_reason "stop"
+    # (the server's stop strings: decoding ends where the text first contains one)
+    stop_checker: Callable[[list[int]], bool] | None = None
     # seeded sampling streams (module docstring): sample i draws from stream (seed, seed_sample + i),
     # starting at position seed_position (a resumed sample's); seed None: the engine's generator
     seed: int | None = None

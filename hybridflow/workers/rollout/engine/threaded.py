@@ -19,7 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-from hybridflow.workers.rollout.engine.llm_engine import Completion, LLMEngine
+from hybridflow.workers.rollout.engine.llm_engine import LLMEngine
+from hybridflow.workers.rollout.engine.requests import Completion, GenerationResult, raise_failed
 from hybridflow.workers.rollout.engine.sampling import SamplingParams
 
 
@@ -56,6 +57,7 @@ def generate_threaded(
             requests = [engine.add_request(g[0], g[2] if len(g) > 2 else params, g[1]) for g in shards[index]]
             while engine.has_unfinished():
                 engine.step()
+            raise_failed(requests)
             results[index] = [c for r in requests for c in r.completions]
         except BaseException as err:  # surfaced in the caller's thread
             errors.append(err)
@@ -118,8 +120,6 @@ class ThreadedEngines:
         self._seed = int(seed)
 
     def generate_batch(self, prompts: list[list[int]], params: SamplingParams, n: int = 1):
-        from hybridflow.workers.rollout.engine.llm_engine import GenerationResult
-
         completions = generate_threaded(self.engines, [(p, n) for p in prompts], params, self._seed)
         return [
             GenerationResult(f"req-{i}", list(prompt), completions[i * n : (i + 1) * n])

@@ -1,0 +1,89 @@
+"""What the engine keeps per request and per running sample, and what it hands back.
+
+A request (:class:`EngineRequest`) asks for ``n`` samples of one prompt; each runs as a
+:class:`RunningSequence` in its own KV-cache slot until it stops, and becomes a :class:`Completion`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from hybridflow.workers.rollout.engine.sampling import SamplingParams
+
+
+@dataclass
+class Completion:
+    """One sampled continuation: ``token_ids`` include the stop token when ``finish_reason == "stop"``.
+    ``top_log_probs``: per token, the ``SamplingParams.logprobs`` most likely (token, log-prob) pairs
+    under the distribution it was drawn from (None when not asked for)."""
+
+    token_ids: list[int]
+    log_probs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    top_log_probs: list[list[tuple[int, float]]] | None = None
+
+
+class EngineRequestError(RuntimeError):
+    """One request failed inside the engine (its prefill, logits processor or stop checker raised);
+    the other requests of the batch were not affected."""
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    completions: list[Completion]
+    error: str | None = None  # why the request failed inside the engine (its completions end "error")
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int
+    stop_ids: frozenset[int]
+    max_new_tokens: int
+    completions: list[Completion | None] = field(default_factory=list)
+    future: asyncio.Future | None = None
+    # stream(): (sample, token, log-prob, top alternatives or None) per token, then the result
+    listener: asyncio.Queue | None = None
+    error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return all(c is not None for c in self.completions)
+
+    def result(self) -> GenerationResult:
+        error = None if self.error is None else f"{type(self.error).__name__}: {self.error}"
+        return GenerationResult(self.request_id, self.prompt_ids, list(self.completions), error)
+
+
+@dataclass
+class RunningSequence:
+    """One running sample. ``length`` tokens are in its cache slot; ``pending`` is the next to feed."""
+
+    request: EngineRequest
+    index: int
+    slot: int
+    length: int
+    pending: int = -1
+    token_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    top_log_probs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+
+def finished_completion(seq: RunningSequence, reason: str) -> Completion:
+    tops = seq.top_log_probs if seq.request.params.logprobs > 0 else None
+    return Completion(seq.token_ids, seq.log_probs, reason, tops)
+
+
+def raise_failed(requests: list[EngineRequest]) -> None:
+    """Raise :class:`EngineRequestError` for the first of ``requests`` that failed in the engine (the
+    synchronous callers' view: a rollout cannot go on without a sample)."""
+    for request in requests:
+        if request.error is not None:
+            raise EngineRequestError(
+                f"request {request.request_id} failed in the engine: {request.error!r}"
+            ) from request.error
