@@ -95,6 +95,7 @@ class Rollouter:
             "fully_async/count/in_flight_groups": float(len(self.in_flight)),
             "fully_async/partial/total_partial_num": float(self.stats["partial_samples"]),
             "fully_async/rollouter/idle_ratio": min(self.stats["idle_s"] / window, 1.0),
+            "agent_loop/stuck_scorers": float(self.stats.get("stuck_scorers", 0)),
         }
 
     # ------------------------------------------------------------------ the rollouter's thread
@@ -211,6 +212,7 @@ class Rollouter:
                 )
                 self.to_resume.append((seq, rows, gen_input, preempted + 1, dict(enumerate(loop_outputs))))
             else:
+                self.stats["stuck_scorers"] = int(output.meta_info.get("stuck_scorers", 0))
                 output.meta_info = {}  # per-call details (the samples' loop timings): the groups concatenate
                 batch = join_rollout(rows.select(), output)
                 versions = [list(v) for v in batch.non_tensor_batch.get("weight_versions", [[]] * len(batch))]

@@ -14,8 +14,14 @@ runs past ``seconds``. How the call is stopped depends on where it runs:
   signal) the watchdog ends the process with exit code :data:`EXIT_SCORER_HUNG` and one line naming the
   sample, so training never hangs forever. The ``prime`` manager runs each sample in a worker process it
   can kill, and survives such scorers.
-- **any other thread**: the call runs in a helper daemon thread and the caller stops waiting at the
-  deadline; the helper thread cannot be stopped and runs on (a warning says so).
+- **any other thread** (the agent loops' scoring as samples finish, and any scorer run off the event
+  loop): the call runs in a helper daemon thread and the caller stops waiting at the deadline. A
+  Python thread cannot be killed, so a helper still running then is *stuck*: it is counted
+  (:func:`stuck_scorers`, reported as the ``agent_loop/stuck_scorers`` metric), a warning names the
+  limit and the count, and at most :data:`MAX_STUCK_SCORERS` may exist in a process — the call after
+  that starts no thread and raises :class:`ScorersStuck`, which ends the run naming what is stuck
+  (a scorer that hangs that often needs ``reward_model.reward_manager=prime``, whose worker processes
+  are killed at the limit). A stuck helper that returns later stops counting.
 """
 
 from __future__ import annotations
@@ -36,8 +42,17 @@ EXIT_SCORER_HUNG = 124  # the exit code of `timeout(1)`: a reward function could
 TIMEOUT_SIGNAL = signal.SIGRTMIN + 2 if hasattr(signal, "SIGRTMIN") else signal.SIGALRM
 
 
+MAX_STUCK_SCORERS = 8  # scorer threads past their limit and still running, per process
+
+
 class ScoreTimeout(BaseException):  # noqa: N818  (an interrupt, like KeyboardInterrupt)
     """A reward function ran past its time limit; ``str()`` says which limit."""
+
+
+class ScorersStuck(BaseException):  # noqa: N818  (not a scorer's error: no manager may zero it)
+    """:data:`MAX_STUCK_SCORERS` scorer threads are stuck past their limit in this process: no more
+    are started. A ``BaseException``, so a reward manager's error handling (which scores a failed
+    sample 0 with ``on_score_error=zero``) lets it through and the run ends."""
 
 
 def remaining(deadline: float | None) -> float | None:
@@ -163,7 +178,7 @@ def call_with_time_limit(
     if seconds <= 0:
         raise ScoreTimeout(message)
     if threading.current_thread() is not threading.main_thread():
-        return _call_in_thread(fn, seconds, message)
+        return _call_in_thread(fn, seconds, message, describe)
     if _active is not None:  # a scorer that itself calls a managed scorer: the outer limit guards both
         return fn()
     call = _Call(seconds, describe, message, exit_on_hang)
@@ -180,8 +195,30 @@ def call_with_time_limit(
         _active = None
 
 
-def _call_in_thread(fn: Callable[[], Any], seconds: float, message: str) -> Any:
-    """Off the main thread no signal can interrupt ``fn``: run it in a daemon thread, stop waiting."""
+_stuck_lock = threading.Lock()
+_stuck: dict[threading.Thread, str] = {}  # scorer helper threads past their limit -> the limit's message
+
+
+def stuck_scorers() -> int:
+    """Scorer threads of this process that ran past their time limit and are still running."""
+    with _stuck_lock:
+        return len(_stuck)
+
+
+def _call_in_thread(
+    fn: Callable[[], Any], seconds: float, message: str, describe: Callable[[], str] = lambda: ""
+) -> Any:
+    """Off the main thread no signal can interrupt ``fn``: run it in a daemon thread, stop waiting at
+    the deadline, and count the thread as stuck while it runs on (at most :data:`MAX_STUCK_SCORERS`)."""
+    with _stuck_lock:
+        if len(_stuck) >= MAX_STUCK_SCORERS:
+            first = next(iter(_stuck.values()))
+            raise ScorersStuck(
+                f"{len(_stuck)} scorer threads are stuck past their time limit in this process (first: "
+                f"{first}) and cannot be stopped; no more are started (at most MAX_STUCK_SCORERS="
+                f"{MAX_STUCK_SCORERS}). Fix the reward function, or use reward_model.reward_manager=prime "
+                "(worker processes, killed at the limit)"
+            )
     box: dict[str, Any] = {}
 
     def target() -> None:
@@ -189,12 +226,35 @@ def _call_in_thread(fn: Callable[[], Any], seconds: float, message: str) -> Any:
             box["result"] = fn()
         except BaseException as err:  # handed to the caller below
             box["error"] = err
+        finally:
+            with _stuck_lock:
+                box["done"] = True
+                _stuck.pop(threading.current_thread(), None)
 
     thread = threading.Thread(target=target, name="reward-scorer", daemon=True)
     thread.start()
     thread.join(seconds)
-    if thread.is_alive():
-        logger.warning("%s; the scorer's thread cannot be stopped and keeps running", message)
+    with _stuck_lock:
+        stuck = "done" not in box  # decided under the lock the thread's end takes too
+        if stuck:
+            _stuck[thread] = message
+        count = len(_stuck)
+    if stuck:
+        try:
+            where = describe()
+        except Exception as err:  # describing must not hide the timeout
+            where = f"(could not describe the sample: {err})"
+        with _stuck_lock:
+            if thread in _stuck and where:
+                _stuck[thread] = where
+    if stuck:
+        logger.warning(
+            "%s; the scorer's thread cannot be stopped and keeps running (%d stuck in this process, at "
+            "most %d)",
+            message,
+            count,
+            MAX_STUCK_SCORERS,
+        )
         raise ScoreTimeout(message)
     if "error" in box:
         raise box["error"]

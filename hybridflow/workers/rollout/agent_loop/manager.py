@@ -199,10 +199,14 @@ class AgentLoopManager:
     def _metrics(self, outputs, output: DataProto, sync_metrics, served: list[dict], seconds: float) -> dict:
         """verl's ``agent_loop/*`` metrics (as one-element lists, the rollout metrics' shape)."""
         per_sample = [m for out in outputs for m in out.meta_info.pop("metrics")]
+        stuck = max(int(out.meta_info.pop("stuck_scorers", 0)) for out in outputs)
         generate = np.array([m["generate_sequences"] for m in per_sample])
         tools = np.array([m["tool_calls"] for m in per_sample])
         preempted = np.array([m["num_preempted"] for m in per_sample])
-        metrics: dict[str, list] = {"generate_sequences": [seconds]}
+        metrics: dict[str, list] = {
+            "generate_sequences": [seconds],
+            "agent_loop/stuck_scorers": [float(stuck)],
+        }
         for name, values in (
             ("generate_sequences", generate),
             ("tool_calls", tools),

@@ -3,17 +3,21 @@
 Every sample's loop runs concurrently; each talks to the servers through the worker's
 :class:`~.server_manager.AsyncLLMServerManager`, so the replicas see requests one at a time as the
 loops produce them. As soon as a sample's loop returns it is scored with the run's reward manager
-(the rule reward functions, custom ``compute_score`` and their time limits — in a thread, so the other
-samples keep generating), unless the loop scored itself (``reward_score``) or a reward model is in use
-(the trainer runs it). The chunk comes back as the same DataProto the synchronous rollout gives
-(``responses``, ``response_mask``, ``rollout_log_probs``, prompt + response ``input_ids`` ...), plus
-``token_level_scores`` and the reward extras when scored here.
+(the rule reward functions, custom ``compute_score`` and their time limits — on one of
+:data:`SCORING_THREADS` threads of the worker's own, so the other samples keep generating), unless the
+loop scored itself (``reward_score``) or a reward model is in use (the trainer runs it). A scorer that
+hangs past ``reward_model.score_timeout_s`` cannot be stopped in a thread: it is counted
+(``agent_loop/stuck_scorers``, with a warning) and bounded (``reward_manager/timeouts.py``: past
+``MAX_STUCK_SCORERS`` the run ends naming the sample). The chunk comes back as the same DataProto the
+synchronous rollout gives (``responses``, ``response_mask``, ``rollout_log_probs``, prompt + response
+``input_ids`` ...), plus ``token_level_scores`` and the reward extras when scored here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -21,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hybridflow import keys
 from hybridflow.protocol import DataProto
+from hybridflow.workers.reward_manager.timeouts import stuck_scorers
 from hybridflow.workers.rollout.agent_loop import single_turn, tool_agent  # noqa: F401  (register built-ins)
 from hybridflow.workers.rollout.agent_loop.base import (
     AgentLoopOutput,
@@ -33,6 +38,7 @@ from hybridflow.workers.rollout.base import assemble_output, sample_seed, sampli
 
 # extra_fields a loop may return that become per-sample columns (numbers) of the batch
 NUMERIC_EXTRAS = ("tool_calls", "tool_failures", "tool_rewards")
+SCORING_THREADS = 8  # samples scored at once in one worker (off its event loop)
 
 
 class AgentLoopError(RuntimeError):
@@ -84,6 +90,7 @@ class AgentLoopWorker:
         load_agent_loop_configs(agent.get("agent_loop_config_path"))
         self.default_agent_loop = default_agent_loop(rollout)
         self.reward_fn = self._reward_fn()
+        self._scoring = ThreadPoolExecutor(SCORING_THREADS, thread_name_prefix="agent-loop-scoring")
 
     def _reward_fn(self):
         """The run's reward manager, scoring in the loop; None when a reward model scores (the trainer
@@ -184,9 +191,18 @@ class AgentLoopWorker:
     async def _maybe_score(self, batch: DataProto, row: int, output: AgentLoopOutput):
         """The sample's reward (in a thread, so other samples keep going), unless the loop scored
         itself, a reward model scores, or the sample is unfinished (aborted)."""
+        from hybridflow.workers.reward_manager.timeouts import ScorersStuck
+
         if output.reward_score is not None or self.reward_fn is None or output.extra_fields.get("is_partial"):
             return None
-        return await asyncio.to_thread(self._score, batch, row, output)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._scoring, self._score, batch, row, output
+            )
+        except ScorersStuck as error:  # the scorers hang: the run ends, naming this sample too
+            index = batch.non_tensor_batch.get("index")
+            where = f"row {row} (dataset index {None if index is None else index[row]})"
+            raise AgentLoopError(f"scoring {where}: {error}") from None
 
     # ------------------------------------------------------------------ assembling the chunk
     def _prompt_rows(self, outputs: list[AgentLoopOutput], width: int) -> DataProto:
@@ -290,6 +306,7 @@ class AgentLoopWorker:
             out.meta_info["reward_extra_keys"] = sorted(extras)
         out.non_tensor_batch.update(columns)
         out.meta_info["metrics"] = [o.metrics.model_dump() for o in outputs]
+        out.meta_info["stuck_scorers"] = stuck_scorers()  # this process's scorer threads past their limit
         # a chunk with aborted samples (partial rollout) hands back every row's output, for a resume
         if any(o.extra_fields.get("is_partial") for o in outputs):
             out.meta_info["loop_outputs"] = list(outputs)
