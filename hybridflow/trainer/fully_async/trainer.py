@@ -5,7 +5,9 @@ Each step takes ``require_batches x ppo_mini_batch_size`` groups from the queue 
 generating, then runs the same phases (rewards arrive computed in the agent loops; old / reference
 log-probs, advantages, updates). After every ``trigger_parameter_sync_step`` steps the rollouter pauses
 (aborting in-flight requests with ``partial_rollout``, else draining them), the actor's weights move to
-the rollout replicas as the next parameter version, and the rollouter resumes.
+the rollout replicas as the next parameter version, and the rollouter resumes. After every sync a probe
+checks that each replica now samples with the trainer's weights (:mod:`.sync_probe`): a broken sync stops
+the run naming the replica, whatever the staleness or the source of the old log-probs.
 
 Checkpoints hold, besides the models and the optimizer, how many groups were trained and the parameter
 version: a resumed run's rollouter starts at the first prompt not yet trained (groups in flight or
@@ -85,9 +87,11 @@ class FullyAsyncTrainer(RayPPOTrainer):
         self.sync_every = int(asynchronous.trigger_parameter_sync_step)
         self.rollouter_started = False
         self.wait_s = 0.0
+        self.sync_probe_limit = self.log_prob_gap_limit  # the probe after each sync (None: off)
+        self._sync_probe = None
         if float(asynchronous.staleness_threshold) > 0 or self.sync_every > 1:
-            # samples from older weights differ from the recompute by design: the gap limit (which
-            # catches a broken sync) holds only when every sample comes from the weights being trained
+            # samples from older weights differ from the recompute by design: the step's gap limit holds
+            # only when every sample comes from the weights being trained (the probe checks every sync)
             self.log_prob_gap_limit = None
 
     def init_workers(self) -> None:
@@ -137,7 +141,27 @@ class FullyAsyncTrainer(RayPPOTrainer):
         sync_parameters(self.wg.actor_rollout, self.rollout_group, self.param_version)
         self.rollouter.start(self.param_version, start_seq=self.queue.taken)
         self.rollouter_started = True
+        self.probe_sync()
         self._last_step_end = time.monotonic()
+
+    def probe_sync(self) -> dict[str, float]:
+        """After a sync, with the replicas serving: every replica must sample with the weights just sent
+        (:class:`~.sync_probe.SyncProbe`; raises naming the replica). Off when the gap limit is off."""
+        if self.sync_probe_limit is None:
+            return {}
+        if self._sync_probe is None:
+            from hybridflow.trainer.fully_async.sync_probe import SyncProbe
+
+            manager = self.rollout_manager
+            self._sync_probe = SyncProbe(
+                self.tokenizer,
+                self.config.actor_rollout_ref.rollout,
+                self.sync_probe_limit,
+                manager.servers,
+                manager.server_names,
+                self.wg.actor_rollout,
+            )
+        return self._sync_probe.check(self.param_version)
 
     def old_log_prob_phase(self, batch: DataProto, metrics: dict):
         """``async_training.use_rollout_log_probs`` (without ``compute_prox_log_prob``): the rollout's
@@ -171,7 +195,14 @@ class FullyAsyncTrainer(RayPPOTrainer):
         sync = sync_parameters(self.wg.actor_rollout, self.rollout_group, self.param_version)
         self.rollouter.resume(self.param_version)
         window = time.perf_counter() - start
-        return {**step_metrics, **rollouter_metrics, **sync, "fully_async/param_sync/pause_resume_s": window}
+        probe = self.probe_sync()
+        return {
+            **step_metrics,
+            **rollouter_metrics,
+            **sync,
+            **probe,
+            "fully_async/param_sync/pause_resume_s": window,
+        }
 
     def validate(self) -> dict[str, float]:
         """Validation on the rollout pool, between two streaming phases (the rollouter pauses)."""

@@ -136,6 +136,49 @@ def test_stale_partial_rollouts_with_token_is(ray_session, vllm_model_dir, mixed
     assert any(record["fully_async/staleness/max"] == 1 for record in metrics.values())  # it did run ahead
     assert any(record["fully_async/partial/partial_ratio"] > 0 for record in metrics.values())  # and resumed
     assert metrics[4]["timing_s/param_sync"] > 0
+    # every sync was probed, and every replica held the trainer's weights (fp32: within 1e-2)
+    assert all(record["fully_async/param_sync/probe_gap_max"] <= 1e-2 for record in metrics.values())
+
+
+def test_a_broken_weight_sync_stops_the_run_naming_the_replica(
+    ray_session, vllm_model_dir, arithmetic_data, tmp_path, monkeypatch
+):
+    """The usual async config — staleness 1, a sync every 2 updates, the rollout's log-probs as
+    old_log_probs — has no per-step gap check (its samples come from older weights, and nothing is
+    recomputed). A sync broken on purpose (the replicas get the initial weights again, labelled as the
+    new version) is caught by the probe after that sync: the run stops with an error naming the replica
+    and the version (before, it trained on, sampling from the initial weights)."""
+    import ray
+
+    import hybridflow.trainer.fully_async.trainer as trainer_module
+    from hybridflow.utils.rollout_parity import RolloutLogProbGapError
+
+    real_sync, initial = trainer_module.sync_parameters, {}
+
+    def broken_sync(actor_group, rollout_group, version):
+        if version == 0:
+            initial["weights"] = actor_group.actor_weights_async().rank_refs[0]
+            ray.wait([initial["weights"]])
+            return real_sync(actor_group, rollout_group, version)
+        rollout_group.load_weights(initial["weights"], version)  # the old weights under the new version
+        return {"timing_s/param_sync": 0.0}
+
+    monkeypatch.setattr(trainer_module, "sync_parameters", broken_sync)
+    values = _values(
+        vllm_model_dir,
+        arithmetic_data,
+        tmp_path,
+        "broken_sync",
+        **{
+            "async_training.staleness_threshold": 1,
+            "async_training.trigger_parameter_sync_step": 2,
+            "trainer.total_training_steps": 4,
+        },
+    )
+    named = r"sync to version 1: replica 0 \(rank 0\) \(rollout.name=engine\) samples with other weights"
+    with pytest.raises(RolloutLogProbGapError, match=named):
+        _run_fully_async(values, tmp_path)
+    assert sorted(_metrics(tmp_path, "broken_sync")) == [1]  # step 2's sync failed its probe
 
 
 ON_POLICY = {
