@@ -249,8 +249,7 @@ def overrides(args, mode: str, model: Path, train: Path, test: Path, tools: Path
         "async_training.staleness_threshold=1",
         "async_training.trigger_parameter_sync_step=1",
         "async_training.partial_rollout=true",
-        "async_training.use_rollout_log_probs=true",
-        "algorithm.rollout_correction.rollout_is=token",
+        "async_training.use_rollout_log_probs=true",  # no rollout_is: with these log-probs its weights are 1
     ]
 
 

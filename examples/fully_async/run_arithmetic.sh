@@ -47,5 +47,4 @@ exec "$PYTHON" -m hybridflow.trainer.fully_async_main \
     trainer.test_freq=10 trainer.save_freq=10 trainer.logger='[console,jsonl]' \
     async_training.staleness_threshold=1 async_training.trigger_parameter_sync_step=1 \
     async_training.partial_rollout=true async_training.use_rollout_log_probs=true \
-    algorithm.rollout_correction.rollout_is=token \
     "$@"

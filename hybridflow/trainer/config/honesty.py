@@ -70,11 +70,6 @@ LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
 
 # The embedded engine's limits (rollout.name=engine); vLLM takes these keys as they are.
 ENGINE_LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
-    "actor_rollout_ref.rollout.enforce_eager": (
-        (True,),
-        "the embedded engine always runs eagerly (no CUDA graphs); remove the override, or use "
-        "rollout.name=vllm",
-    ),
     "actor_rollout_ref.rollout.enable_chunked_prefill": (
         (False,),
         "the embedded engine prefills whole prompts, batched up to rollout.max_num_batched_tokens",
@@ -260,11 +255,25 @@ def _engine_kwargs_problems(config: DictConfig) -> list[str]:
 ENGINE_ONLY_KEYS = ("decode_threads", "decode_steps_per_sync")  # rollout keys only the embedded engine reads
 
 
+def _engine_capture_problems(config: DictConfig) -> list[str]:
+    """``enforce_eager=false`` (verl's default) captures the engine's decode step in CUDA graphs on
+    CUDA; with tensor-parallel generation (collectives inside the step) that is not implemented."""
+    rollout = config.actor_rollout_ref.rollout
+    tp = int(rollout.get("tensor_model_parallel_size") or 1)
+    if str(config.trainer.get("device", "cpu")) == "cuda" and tp > 1 and not rollout.get("enforce_eager"):
+        return [
+            f"actor_rollout_ref.rollout.enforce_eager=false captures the engine's decode step in CUDA "
+            f"graphs, which is not implemented with tensor_model_parallel_size={tp} (its collectives): "
+            "set actor_rollout_ref.rollout.enforce_eager=true"
+        ]
+    return []
+
+
 def _rollout_backend_problems(config: DictConfig) -> list[str]:
     """The chosen rollout backend's limits: the embedded engine's table, or what vLLM cannot do here."""
     rollout = config.actor_rollout_ref.rollout
     if rollout.name == "engine":
-        return limited_value_problems(config, ENGINE_LIMITED_VALUES)
+        return limited_value_problems(config, ENGINE_LIMITED_VALUES) + _engine_capture_problems(config)
     if rollout.name == "sglang":
         return [
             "actor_rollout_ref.rollout.name=sglang is not supported: SGLang's wheels need CUDA and are not "
@@ -287,6 +296,27 @@ def _rollout_backend_problems(config: DictConfig) -> list[str]:
     if reason is not None:
         return [*problems, f"actor_rollout_ref.rollout.name=vllm cannot run: {reason}"]
     return problems + _vllm_model_problems(config.actor_rollout_ref.model)
+
+
+def _server_mode_problems(config: DictConfig) -> list[str]:
+    """``rollout.mode=async``: one engine per replica steps every request in flight (HF generate has
+    none), so the keys that split one batch call's decoding over threads have nothing to split."""
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.get("mode") != "async":
+        return []
+    problems = []
+    if rollout.name not in ("engine", "vllm", "sglang"):  # sglang: refused above, with its reason
+        problems.append(
+            f"actor_rollout_ref.rollout.name={rollout.name} has no engine to serve requests: "
+            "rollout.mode=async needs rollout.name=engine or vllm"
+        )
+    if rollout.get("decode_threads") is not None:
+        problems.append(
+            f"actor_rollout_ref.rollout.decode_threads={rollout.decode_threads} splits one batch call's "
+            "decoding over threads; with rollout.mode=async a replica's engine steps the requests of every "
+            "agent loop together (continuous batching), so it is not read: remove it"
+        )
+    return problems
 
 
 def _vllm_model_problems(model_cfg) -> list[str]:
@@ -336,7 +366,7 @@ def honesty_problems(config: DictConfig) -> list[str]:
     for section in ("actor_rollout_ref.actor", "critic"):
         problems += _checkpoint_problems(config, section)
     problems += _fsdp_problems(config) + _engine_kwargs_problems(config) + _trainer_problems(config)
-    problems += _rollout_backend_problems(config)
+    problems += _rollout_backend_problems(config) + _server_mode_problems(config)
     problems += tensor_parallel_problems(config)
     return problems + _reward_kwargs_problems(config)
 
@@ -442,7 +472,7 @@ GENERATION_LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
 # main_generation on the embedded engine (rollout.name=engine) takes the engine's limits too
 GENERATION_ENGINE_LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
     f"rollout.{key}": _rollout_rule(key)
-    for key in ("enforce_eager", "enable_chunked_prefill", "enable_prefix_caching", "disable_log_stats")
+    for key in ("enable_chunked_prefill", "enable_prefix_caching", "disable_log_stats")
 }
 
 EVALUATION_LIMITED_VALUES: dict[str, tuple[tuple, str]] = {

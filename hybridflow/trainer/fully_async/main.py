@@ -20,6 +20,7 @@ ASYNC_SECTIONS = ("rollout", "async_training")
 def fully_async_problems(config: DictConfig) -> list[str]:
     """What is wrong with the fully-async sections (the PPO part is checked by ``validate_config``)."""
     from hybridflow.trainer.config import CONFIG_DIR, unknown_keys
+    from hybridflow.trainer.config.async_honesty import fully_async_honesty_problems
 
     schema = OmegaConf.load(CONFIG_DIR / "fully_async_ppo_trainer.yaml")
     problems = [
@@ -45,7 +46,22 @@ def fully_async_problems(config: DictConfig) -> list[str]:
             "async_training.compute_prox_log_prob=true corrects pi_rollout -> pi_prox with importance "
             "weights: set algorithm.rollout_correction.rollout_is=token (or sequence)"
         )
-    return problems
+    return problems + fully_async_honesty_problems(config)
+
+
+def check_config(config: DictConfig) -> DictConfig:
+    """Every check made before Ray starts (the fully-async sections, then the PPO view as
+    ``main_ppo`` checks it); returns the PPO view. Raises :class:`ConfigError` listing the problems."""
+    from hybridflow.trainer.config import ConfigError, apply_rollout_correction_mode, validate_config
+
+    OmegaConf.resolve(config)
+    problems = fully_async_problems(config)
+    if problems:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+    view = ppo_view(config)
+    validate_config(view)
+    apply_rollout_correction_mode(view)
+    return view
 
 
 def groups_per_step(config: DictConfig) -> int:
@@ -213,20 +229,13 @@ def run_fully_async(config: DictConfig) -> dict[str, float]:
     run's processes and the Ray instance started here are shut down before it returns or raises."""
     import torch
 
-    from hybridflow.trainer.config import ConfigError, apply_rollout_correction_mode, validate_config
     from hybridflow.trainer.main_ppo import _plot, _shut_down
     from hybridflow.trainer.ppo.checkpointing import TrainerCheckpointer
     from hybridflow.trainer.ppo.preemption import StopRequest
     from hybridflow.trainer.ppo.workers_setup import build_worker_groups, ensure_ray
     from hybridflow.utils.roles import need_critic, need_reference
 
-    OmegaConf.resolve(config)
-    problems = fully_async_problems(config)
-    if problems:
-        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
-    view = ppo_view(config)
-    validate_config(view)
-    apply_rollout_correction_mode(view)
+    view = check_config(config)
     torch.set_num_threads(1)
     TrainerCheckpointer(view.trainer).preflight(view)
     started_ray = ensure_ray(view.ray_init)
