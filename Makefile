@@ -15,7 +15,11 @@ export RAY_DEDUP_LOGS := 0
 
 .PHONY: install demo test lint clean-venv
 
+# After the stamp, always (cheap, idempotent): the verl alias start hook, hybridflow_verl_alias.pth in
+# the venv's site-packages (hybridflow/verl_compat.py). pip's editable install ships it too (build_hooks.py);
+# this step also refreshes a venv installed before the hook existed, without reinstalling anything.
 install: $(STAMP)
+	$(PY) -m hybridflow.verl_compat --install-hook
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,13 +31,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: install
 	$(PY) -m hybridflow.quickstart
 
-test: $(STAMP)
+test: install
 	bash scripts/run_tests.sh $(PY)
 
-lint: $(STAMP)
+lint: install
 	$(VENV)/bin/ruff check hybridflow tests scripts
 
 clean-venv:

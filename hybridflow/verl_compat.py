@@ -3,8 +3,17 @@
 The switch (any one of them; see docs/coming_from_verl.md):
 
 - in code: ``import hybridflow.verl_compat; hybridflow.verl_compat.install()``;
-- in the environment: ``HYBRIDFLOW_VERL_ALIAS=1``, honoured when ``hybridflow`` is imported;
+- in the environment: ``HYBRIDFLOW_VERL_ALIAS=1``;
 - for a script: ``python -m hybridflow.verl_compat my_recipe.py [args]``.
+
+The alias follows the process tree. ``install()`` sets ``HYBRIDFLOW_VERL_ALIAS=1`` in ``os.environ``,
+so every process started afterwards inherits it (spawn, forkserver, ``subprocess``, a Ray cluster
+started from here); in each new interpreter the start hook (the one line of
+``hybridflow_verl_alias.pth`` in site-packages, written by ``make install`` or
+``python -m hybridflow.verl_compat --install-hook`` and shipped in hybridflow's wheel) reads the
+variable. Unset, it does nothing; set, it puts a placeholder finder on ``sys.meta_path`` that imports
+nothing until the first ``import verl``, then turns the alias on (or steps aside for a real verl). Only
+``fork`` children need none of this: they inherit the parent's ``sys.meta_path``.
 
 ``install()`` puts a finder at the front of ``sys.meta_path``. It answers for ``verl`` and the
 ``verl.…`` names in :data:`MODULE_TABLE` (an explicit map, because our layout differs from verl's in
@@ -18,13 +27,15 @@ hybridflow module behind it, so ``mock.patch("verl.trainer.ppo.metric_utils.f")`
 import system attaches to an alias stay on the alias, so our own packages never grow verl's names.
 
 A real verl install always wins: if ``import verl`` would find an installed verl, ``install()`` does
-nothing, warns, and returns False. This module imports only the standard library.
+nothing, warns (once), and returns False; the start hook decides at the first ``import verl``, when
+``sys.path`` is complete, so a verl checkout in the script's folder is found too. With the alias on,
+Hydra finds our configs where verl code looks for verl's (:func:`hydra_config_source`). This module
+imports only the standard library, and nothing that Python has not loaded at start already.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
@@ -34,6 +45,7 @@ import warnings
 
 ENV_SWITCH = "HYBRIDFLOW_VERL_ALIAS"
 ROOT = "verl"
+_OFF = ("", "0", "false", "no")  # values of ENV_SWITCH that mean "off"
 
 # verl's module path -> ours. Paths that differ from a plain ``verl.`` -> ``hybridflow.`` swap, and the
 # verl modules users import most, are listed here; the test suite checks every target exists. Where
@@ -180,7 +192,10 @@ class AliasModule(types.ModuleType):
         return f"<verl alias {self.__name__!r} -> {target.__name__ if target else 'empty package'!r}>"
 
 
-class _AliasLoader(importlib.abc.Loader):
+class _AliasLoader:
+    """The loader of every alias module (importlib's Loader protocol; ``importlib.abc`` is not imported
+    because it costs more than the whole alias at interpreter start)."""
+
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> AliasModule:
         module = AliasModule(spec.name)
         names = targets_of(spec.name)
@@ -209,7 +224,7 @@ def _import_target(verl_name: str, target_name: str) -> types.ModuleType:
     return importlib.import_module(target_name)
 
 
-class VerlAliasFinder(importlib.abc.MetaPathFinder):
+class VerlAliasFinder:
     """Finds ``verl`` and ``verl.…`` as aliases of hybridflow modules (see the module docstring)."""
 
     _loader = _AliasLoader()
@@ -225,6 +240,7 @@ class VerlAliasFinder(importlib.abc.MetaPathFinder):
 
 
 _FINDER = VerlAliasFinder()
+_WARNED: set[str] = set()  # the real verls this process has warned about (once each)
 
 
 def real_verl_location() -> str | None:
@@ -242,46 +258,192 @@ def real_verl_location() -> str | None:
 
 
 def is_installed() -> bool:
+    """True while the alias is on in this process (its finder is on ``sys.meta_path``)."""
     return _FINDER in sys.meta_path
 
 
+def _remove_start_hooks() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "hybridflow_verl_hook", False)]
+
+
 def install() -> bool:
-    """Turn the alias on (idempotent). Returns False, with a warning, when a real verl is installed."""
-    if is_installed():
-        return True
-    location = real_verl_location()
-    if location is not None:
-        warnings.warn(
-            f"hybridflow.verl_compat: a real verl is installed ({location}); the verl alias stays off "
-            "and `import verl` imports that verl.",
-            stacklevel=2,
-        )
-        return False
-    sys.meta_path.insert(0, _FINDER)
+    """Turn the alias on (idempotent), in this process and, through ``HYBRIDFLOW_VERL_ALIAS=1`` in
+    ``os.environ``, in every Python process started from it afterwards. Returns False, with a
+    warning (once per process), when a real verl is installed; then the variable is left alone."""
+    _remove_start_hooks()
+    if not is_installed():
+        location = real_verl_location()
+        if location is not None:
+            if location not in _WARNED:
+                _WARNED.add(location)
+                warnings.warn(
+                    f"hybridflow.verl_compat: a real verl is installed ({location}); the verl alias "
+                    "stays off and `import verl` imports that verl.",
+                    stacklevel=2,
+                )
+            return False
+        sys.meta_path.insert(0, _FINDER)
+    os.environ[ENV_SWITCH] = "1"
     return True
 
 
 def uninstall() -> None:
-    """Turn the alias off and forget the ``verl`` aliases already imported."""
+    """Turn the alias off, in this process and in the processes it starts from now on (it removes
+    ``HYBRIDFLOW_VERL_ALIAS`` from ``os.environ``), and forget the ``verl`` aliases already imported."""
+    _remove_start_hooks()
     while _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)
+    os.environ.pop(ENV_SWITCH, None)
     for name in [n for n, m in sys.modules.items() if isinstance(m, AliasModule)]:
         del sys.modules[name]
 
 
 def install_from_env() -> bool:
     """``install()`` when ``HYBRIDFLOW_VERL_ALIAS`` is set to something other than ``0``/empty."""
-    if os.environ.get(ENV_SWITCH, "").strip().lower() in ("", "0", "false", "no"):
+    if os.environ.get(ENV_SWITCH, "").strip().lower() in _OFF:
         return False
     return install()
 
 
+# ---------------------------------------------------------------- the start hook (.pth)
+PTH_NAME = "hybridflow_verl_alias.pth"
+
+# What the .pth line runs when HYBRIDFLOW_VERL_ALIAS is on. It imports nothing (sys is loaded): the
+# placeholder finder waits for the first `import verl`, then leaves sys.meta_path and hands over to
+# install(), which sees the complete sys.path (a real verl in the script's folder wins). Returning
+# the spec itself (never None after leaving) keeps the import system's walk over sys.meta_path,
+# which this call has just shortened, from skipping the next finder.
+_HOOK_SOURCE = '''\
+import sys
+
+
+class HybridflowVerlHook:
+    """hybridflow's verl alias, armed at interpreter start (hybridflow/verl_compat.py)."""
+
+    hybridflow_verl_hook = True
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name != "verl" and not name.startswith("verl."):
+            return None
+        while cls in sys.meta_path:
+            sys.meta_path.remove(cls)
+        try:
+            from hybridflow import verl_compat
+        except ImportError:  # hybridflow left this environment: `import verl` goes on as usual
+            verl_compat = None
+        if verl_compat is not None and verl_compat.install_from_env():
+            return verl_compat.VerlAliasFinder().find_spec(name, path, target)
+        import importlib.util
+
+        return importlib.util.find_spec(name)
+
+
+if not any(getattr(f, "hybridflow_verl_hook", False) for f in sys.meta_path):  # lib64 -> lib: read twice
+    sys.meta_path.insert(0, HybridflowVerlHook)
+'''
+
+
+def pth_text() -> str:
+    """The one line of ``hybridflow_verl_alias.pth`` (``site`` executes a .pth line that starts with
+    ``import``). With ``HYBRIDFLOW_VERL_ALIAS`` unset or off it costs one environment lookup."""
+    switch_on = f"os.environ.get({ENV_SWITCH!r}, '').strip().lower() not in {_OFF!r}"
+    return f"import os; exec({_HOOK_SOURCE!r}, {{}}) if {switch_on} else None\n"
+
+
+def hook_path(site_dir: str | None = None) -> str:
+    """Where the start hook lives: ``site_dir``, by default this interpreter's site-packages."""
+    import sysconfig
+
+    return os.path.join(site_dir or sysconfig.get_path("purelib"), PTH_NAME)
+
+
+def hook_is_current(site_dir: str | None = None) -> bool:
+    """True when the start hook is in place and is this version's."""
+    try:
+        with open(hook_path(site_dir), encoding="utf-8") as f:
+            return f.read() == pth_text()
+    except OSError:
+        return False
+
+
+def write_hook(site_dir: str | None = None) -> str:
+    """Write (or refresh) the start hook into ``site_dir`` (default: this interpreter's
+    site-packages); ``make install`` runs this. Returns its path."""
+    path = hook_path(site_dir)
+    if hook_is_current(site_dir):
+        return path
+    if not os.path.isdir(os.path.dirname(path)):
+        raise FileNotFoundError(f"no site-packages folder at {os.path.dirname(path)}: name an existing one")
+    partial = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(partial, "w", encoding="utf-8") as f:
+            f.write(pth_text())
+        os.replace(partial, path)
+    except OSError as error:
+        raise PermissionError(
+            f"cannot write the verl alias start hook at {path} ({error}); run "
+            "`python -m hybridflow.verl_compat --install-hook SITE_PACKAGES_DIR` with a folder you can write"
+        ) from error
+    return path
+
+
+def remove_hook(site_dir: str | None = None) -> bool:
+    """Delete the start hook; False when there was none."""
+    try:
+        os.remove(hook_path(site_dir))
+    except FileNotFoundError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- Hydra: verl's config folder
+OUR_CONFIG_SOURCE = "pkg://hybridflow.trainer.config"
+_VERL_CONFIG_DIR = ["verl", "trainer", "config"]
+
+
+def hydra_config_source(entry: str) -> str | None:
+    """What Hydra should search instead of ``entry`` (a config search path entry), or None to keep it.
+
+    verl's tests and scripts compose ``ppo_trainer`` from verl's own config folder, e.g.
+    ``initialize_config_dir(os.path.abspath("verl/trainer/config"))`` from a verl checkout. While the
+    alias is on, a ``…/verl/trainer/config`` folder that does not exist, or ``pkg://verl.trainer.config``,
+    stands for our configs; a folder that exists (a verl checkout) is kept. hybridflow's Hydra search
+    path plugin (``hydra_plugins/hybridflow_searchpath``) applies this to every entry."""
+    if not is_installed():
+        return None
+    if entry.rstrip("/") == "pkg://verl.trainer.config":
+        return OUR_CONFIG_SOURCE
+    folder = entry[len("file://") :] if entry.startswith("file://") else entry
+    if "://" in folder or not folder:
+        return None
+    parts = os.path.normpath(folder).replace(os.sep, "/").split("/")
+    if parts[-3:] != _VERL_CONFIG_DIR or os.path.isdir(folder):
+        return None
+    return OUR_CONFIG_SOURCE
+
+
+# ---------------------------------------------------------------- python -m hybridflow.verl_compat
+_USAGE = """usage: python -m hybridflow.verl_compat SCRIPT.py [ARGS...]   run a script with the verl alias on
+       python -m hybridflow.verl_compat --install-hook [SITE_DIR]  write the start hook (make install does)
+       python -m hybridflow.verl_compat --remove-hook [SITE_DIR]   delete it"""
+
+
 def _run_script(argv: list[str]) -> None:
-    """``python -m hybridflow.verl_compat script.py [args]``: run ``script.py`` with the alias on."""
+    """``python -m hybridflow.verl_compat script.py [args]``: run ``script.py`` with the alias on
+    (and in the processes it starts); ``--install-hook`` / ``--remove-hook`` manage the start hook."""
     import runpy
 
-    if not argv:
-        raise SystemExit("usage: python -m hybridflow.verl_compat SCRIPT.py [ARGS...]")
+    if not argv or argv[0] in ("-h", "--help"):
+        raise SystemExit(_USAGE)
+    if argv[0] in ("--install-hook", "--remove-hook"):
+        if len(argv) > 2:
+            raise SystemExit(_USAGE)
+        if argv[0] == "--install-hook":
+            print(f"hybridflow: verl alias start hook at {write_hook(*argv[1:])}")
+        elif not remove_hook(*argv[1:]):
+            print(f"hybridflow: no verl alias start hook at {hook_path(*argv[1:])}")
+        return
     if not install():
         raise SystemExit("a real verl is installed; run the script with python directly")
     sys.argv = list(argv)

@@ -256,6 +256,8 @@ class RayWorkerGroup(WorkerGroup):
                     "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
                     "TOKENIZERS_PARALLELISM": "false",
                     **worker_env("cuda" if pool.use_gpu else "cpu"),  # a CPU worker sees no GPU
+                    # the verl alias (hybridflow.verl_compat) follows the driver, on a cluster it joined too
+                    **{k: os.environ[k] for k in ("HYBRIDFLOW_VERL_ALIAS",) if k in os.environ},
                     **extra_env,
                 }
                 options = {
