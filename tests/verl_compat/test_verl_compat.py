@@ -35,6 +35,12 @@ def test_verl_paths_are_aliases_of_our_modules(alias):
     assert sys.modules["verl.trainer.ppo.core_algos"] is not ours  # an alias module, not our module
 
 
+def test_verls_bypass_mode_loss_is_the_registered_one(alias):
+    from verl.trainer.ppo.core_algos import compute_policy_loss_bypass_mode, get_policy_loss_fn
+
+    assert compute_policy_loss_bypass_mode is get_policy_loss_fn("bypass_mode")
+
+
 def test_writes_reach_our_module_and_children_stay_on_the_alias(alias):
     import verl.single_controller.base.decorator  # noqa: F401  (verl's base/ package is our package root)
     import verl.trainer.ppo.metric_utils as theirs

@@ -62,6 +62,9 @@ from hybridflow.algorithms.policy_loss import (
     compute_policy_loss_sapo,
     compute_policy_loss_vanilla,
 )
+
+# verl's bypass-mode loss (algorithm.rollout_correction.bypass_mode)
+from hybridflow.algorithms.rollout_correction import bypass_policy_loss as compute_policy_loss_bypass_mode
 from hybridflow.utils.registry import lookup_in, register_in
 from hybridflow.utils.torch_functional import entropy_from_logits
 
@@ -140,6 +143,7 @@ __all__ = [
     "compute_grpo_vectorized_outcome_advantage",
     "compute_opo_outcome_advantage",
     "compute_policy_loss",
+    "compute_policy_loss_bypass_mode",
     "compute_policy_loss_cispo",
     "compute_policy_loss_clip_cov",
     "compute_policy_loss_gpg",
@@ -175,6 +179,3 @@ def compute_entropy_loss(
 ) -> torch.Tensor:
     """Entropy of ``logits`` (B, T_r, V) aggregated under ``response_mask`` (B, T_r) (verl's helper)."""
     return agg_loss(entropy_from_logits(logits), response_mask, loss_agg_mode)
-
-
-# verl's bypass-mode loss (algorithm.rollout_correction.bypass_mode): hybridflow.algorithms.rollout_correction
