@@ -54,6 +54,7 @@ class SyncProbe:
 
         start = time.perf_counter()
         params = {
+            "do_sample": True,
             "temperature": self.temperature,
             "top_p": 1.0,
             "top_k": -1,

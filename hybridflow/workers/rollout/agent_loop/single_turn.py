@@ -5,7 +5,10 @@ synchronous rollout sees it), else ``raw_prompt`` through the chat template. A s
 (partial rollout) returns what it generated with ``extra_fields["is_partial"] = True``; run again with
 ``partial_output=<that output>`` it continues from prompt + partial response, drawing from the position
 of its sampling stream where it stopped, so its tokens, masks and log-probs lay out exactly like an
-uninterrupted sample's.
+uninterrupted sample's (on ``rollout.name=engine``; vLLM reseeds the continuation from its position:
+see :mod:`hybridflow.workers.rollout.vllm_rollout.engine`). Log-probs: one per generated token when the
+request asks for them (``logprobs``, from ``rollout.calculate_log_probs``), else none; a server answer
+without them is an error naming the sample and the backend (:func:`turn_log_probs`).
 """
 
 from __future__ import annotations

