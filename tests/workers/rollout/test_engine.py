@@ -2,6 +2,8 @@
 
 import asyncio
 
+import warnings
+
 import pytest
 import torch
 
@@ -258,15 +260,21 @@ def test_bf16_engine_tracks_the_fp32_model():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_decode_attention_equals_sdpa(dtype):
-    from hybridflow.workers.rollout.engine.model import decode_attention
+    """Both decode attentions (the span's grouped matmuls, FlexAttention over each row's valid blocks)
+    equal SDPA over the valid keys, GQA and rows of different lengths included."""
+    from hybridflow.workers.rollout.engine.attention import flex_attention_valid, span_attention
 
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(6, 4, 1, 16, generator=gen).to(dtype)
-    k, v = (torch.randn(6, 2, 30, 16, generator=gen).to(dtype) for _ in range(2))
-    lengths = torch.tensor([0, 3, 10, 29, 17, 5])
-    visible = torch.arange(30)[None] <= lengths[:, None]
+    k, v = (torch.randn(6, 2, 300, 16, generator=gen).to(dtype) for _ in range(2))
+    lengths = torch.tensor([0, 3, 130, 299, 17, 128])
+    visible = torch.arange(300)[None] <= lengths[:, None]
     expected = torch.nn.functional.scaled_dot_product_attention(
         q.double(), k.double(), v.double(), attn_mask=visible[:, None, None, :], enable_gqa=True
     )
     tolerance = 1e-6 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(decode_attention(q, k, v, visible).double(), expected, atol=tolerance, rtol=0)
+    torch.testing.assert_close(span_attention(q, k, v, lengths).double(), expected, atol=tolerance, rtol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention's "not compiled" notice
+        flex = flex_attention_valid(q, k, v, lengths)
+    torch.testing.assert_close(flex.double(), expected, atol=tolerance, rtol=0)

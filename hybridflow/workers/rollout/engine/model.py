@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridflow.models.attention import grouped_attention
 from hybridflow.workers.lora import hf_parameter_names, merged_hf_weights, unwrap_peft
+from hybridflow.workers.rollout.engine.attention import flex_attention_valid, span_attention
 from hybridflow.workers.rollout.engine.parallel import (
     SINGLE,
     GenerationShard,
@@ -171,21 +171,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
-
-
-def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor
-) -> torch.Tensor:
-    """Attention of one new query per row over its cached keys: q (B, nh, 1, hd), k and v
-    (B, nkv, L, hd), visible (B, L) bool → (B, nh, 1, hd); query head ``h`` reads kv head
-    ``h // (nh / nkv)`` as in HF's ``repeat_kv``.
-
-    On CUDA this is SDPA. On the CPU SDPA's flash kernel is slow for a single query (measured for
-    B = 32, 4/2 heads of 64, L = 146, one thread: fp32 460 us against 376 us here; bf16 2257 us
-    against 547 us), so it is :func:`~hybridflow.models.attention.grouped_attention`."""
-    if q.device.type != "cpu":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None, None, :], enable_gqa=True)
-    return grouped_attention(q, k, v, visible[:, None, None, :], q.shape[-1] ** -0.5)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -363,24 +348,34 @@ class EngineModel:
 
     # ------------------------------------------------------------------ forward
     def decode(
-        self, tokens: torch.Tensor, lengths: torch.Tensor, cache, span: int | None = None
+        self,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        cache,
+        span: int | None = None,
+        attention: str = "span",
     ) -> torch.Tensor:
         """One new token per row. tokens, lengths (B,): the token at position ``lengths[b]`` of row b
-        (rows are the first B cache slots). Writes its K/V and returns fp32 logits (B, V). ``span``:
-        ``max(lengths) + 1`` when the caller knows it (reading it from ``lengths`` waits for the device)."""
+        (rows are the first B cache slots). Writes its K/V and returns fp32 logits (B, V).
+        ``attention`` (:mod:`.attention`): ``"span"`` reads the first ``span`` positions of each row
+        (``span``: at least ``max(lengths) + 1``; None reads it from ``lengths``, which waits for the
+        device); ``"flex"`` reads each row's valid keys of the whole cache (``span`` unused)."""
         spec = self.spec
         batch = tokens.shape[0]
-        span = int(lengths.max()) + 1 if span is None else int(span)
+        if attention == "flex":
+            span = cache.max_len
+        elif span is None:
+            span = int(lengths.max()) + 1
+        attend = flex_attention_valid if attention == "flex" else span_attention
         write_at = cache.flat_positions(lengths)  # (B * nkv,) rows of the flattened cache
         cos = self.rope_cos[lengths].unsqueeze(1)  # (B, 1, hd)
         sin = self.rope_sin[lengths].unsqueeze(1)
-        visible = torch.arange(span, device=tokens.device).unsqueeze(0) <= lengths.unsqueeze(1)  # (B, span)
         x = self._embed(tokens)  # (B, H)
         for layer, (k_cache, v_cache) in zip(self.layers, cache.layers, strict=True):
             q, k, v = self._qkv(layer, rms_norm(x, layer.input_norm, spec.rms_norm_eps), cos, sin)
             k_cache.view(-1, spec.head_dim).index_copy_(0, write_at, k.reshape(-1, spec.head_dim))
             v_cache.view(-1, spec.head_dim).index_copy_(0, write_at, v.reshape(-1, spec.head_dim))
-            attn = decode_attention(q, k_cache[:batch, :, :span], v_cache[:batch, :, :span], visible)
+            attn = attend(q, k_cache[:batch, :, :span], v_cache[:batch, :, :span], lengths)
             x = self._finish_layer(layer, x, attn.reshape(batch, spec.q_size))
         return self._logits(rms_norm(x, self.final_norm, spec.rms_norm_eps))
 
