@@ -105,10 +105,10 @@ def test_the_engine_gives_decode_its_span_so_nothing_reads_the_lengths_back(mode
     spans = []
     original = EngineModel.decode
 
-    def recording(self, tokens, lengths, cache, span=None):
+    def recording(self, tokens, lengths, cache, span=None, **kwargs):
         spans.append(span)
         assert span is not None and span == int(lengths.max()) + 1
-        return original(self, tokens, lengths, cache, span=span)
+        return original(self, tokens, lengths, cache, span=span, **kwargs)
 
     monkeypatch.setattr(EngineModel, "decode", recording)
     for per_sync in (1, 4):

@@ -10,10 +10,12 @@ leaves the GPU idle while Python schedules the next. With ``decode_steps_per_syn
 decodes up to k tokens per sequence on the device (the next step's input is the last one's output,
 positions and seeded draws advance on the device) and reads them back once; stop tokens and lengths
 are then applied on the host exactly as step by step. Tokens a sequence draws after its stop token
-within a burst are dropped (at most k - 1). A burst runs only where it cannot change the result: no
-request waiting for a free slot, every sequence sharing its sampling settings, no logits processor,
-no top-log-prob or streamed request, and at most as many steps as every sequence's remaining tokens
-and cache room allow. Greedy and seeded samples are token for token those of k = 1 (unseeded draws
+within a burst are dropped (at most k - 1). Decoding, one step or a burst, is the static step of
+:mod:`.decode_step` (fixed buffers and shapes, sampling inside; captured in CUDA graphs per batch bucket
+unless ``enforce_eager``) wherever every sequence shares its sampling settings with no logits
+processor, stop checker, top-log-prob or streamed request; else the eager step (counted in
+``eager_reasons``). A burst also needs no request waiting for a free slot, and runs at most as many
+steps as every sequence's remaining tokens and cache room allow. Greedy and seeded samples are token for token those of k = 1 (unseeded draws
 come from the engine's generator, whose stream then covers the dropped tokens too). Two ways in:
 
 - :meth:`LLMEngine.generate_batch` — a list of prompts in, their completions out (the rollout's path);
@@ -37,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from hybridflow.workers.rollout.engine.decode_step import DecodeStep, StepRows, decode_buckets
 from hybridflow.workers.rollout.engine.kv_cache import KVCache
 from hybridflow.workers.rollout.engine.model import EngineModel
 from hybridflow.workers.rollout.engine.requests import (
@@ -47,6 +50,9 @@ from hybridflow.workers.rollout.engine.requests import (
     RunningSequence,
     finished_completion,
     raise_failed,
+    settle,
+    stream_keys,
+    top_alternatives,
 )
 from hybridflow.workers.rollout.engine.sampling import SamplingParams, choose_tokens, seeded_uniforms
 
@@ -66,6 +72,9 @@ class LLMEngine:
         seed: int = 0,
         allocate_cache: bool = True,
         decode_steps_per_sync: int = 1,
+        enforce_eager: bool = False,
+        cudagraph_capture_sizes: list[int] | None = None,
+        pad_batches: bool | None = None,
     ) -> None:
         if max_model_len > model.max_positions:
             raise ValueError(
@@ -82,6 +91,20 @@ class LLMEngine:
             model.spec, max_num_seqs, max_model_len, model.dtype, model.device, allocate=allocate_cache
         )
         self.generator = torch.Generator(device=model.device).manual_seed(int(seed))
+        # static_steps: decode steps of the static step (decode_step.py); eager_steps: of the eager
+        # fallback, which eager_reasons counts by reason
+        self.stats = {"static_steps": 0, "eager_steps": 0}
+        self.eager_reasons: dict[str, int] = {}
+        self.decoder = DecodeStep(
+            model,
+            self.cache,
+            self.generator,
+            decode_buckets(max_num_seqs, cudagraph_capture_sizes),
+            capture=not enforce_eager and model.device.type == "cuda",
+            pad=pad_batches,
+            max_steps=self.decode_steps_per_sync,
+            stats=self.stats,
+        )
         self._waiting: list[EngineRequest] = []
         self._running: list[RunningSequence] = []
         self._ids = itertools.count()
@@ -96,14 +119,14 @@ class LLMEngine:
         self._stepping_in_thread = False
         self._step_thread: threading.Thread | None = None
         # host_reads: decode results read back to the host (one per step, or one per burst)
-        self.stats = {
-            "prefill_tokens": 0,
-            "decode_steps": 0,
-            "generated_tokens": 0,
-            "host_reads": 0,
-            "aborted_requests": 0,
-            "failed_requests": 0,
-        }
+        self.stats.update(
+            prefill_tokens=0,
+            decode_steps=0,
+            generated_tokens=0,
+            host_reads=0,
+            aborted_requests=0,
+            failed_requests=0,
+        )
 
     # ------------------------------------------------------------------ public API
     def reseed(self, seed: int) -> None:
@@ -217,6 +240,7 @@ class LLMEngine:
         """Free the KV cache (between rollouts); the weights stay."""
         if self.has_unfinished():
             raise RuntimeError("cannot release the KV cache while requests are running")
+        self.decoder.reset()  # its graphs hold the cache's addresses
         self.cache.release()
 
     def resume(self, rows: int | None = None, length: int | None = None) -> None:
@@ -264,11 +288,7 @@ class LLMEngine:
             self._prefill(admitted, finished)
             self._compact()
         if self._running:
-            steps = self._burst_steps()
-            if steps > 1:
-                self._decode_burst(steps, finished)
-            else:
-                self._decode(finished)
+            self._decode(finished)
             self._compact()
         results = [request.result() for request in finished]
         for request, result in zip(finished, results, strict=True):
@@ -352,8 +372,17 @@ class LLMEngine:
         self._accept(new_seqs, logits[torch.tensor(source, device=device)], finished)
 
     def _decode(self, finished: list[EngineRequest]) -> None:
-        device = self.model.device
+        """Decode the running batch: the static step (:mod:`.decode_step`), one step or a burst, when
+        every row shares its sampling settings and needs nothing per token beyond its token and
+        log-prob; else the eager step, counted by reason in ``eager_reasons``."""
+        reason = self._eager_reason()
+        if reason is None:
+            self._decode_static(self._burst_steps(), finished)
+            return
+        self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
+        self.stats["eager_steps"] += 1
         running = self._running
+        device = self.model.device
         tokens = torch.tensor([s.pending for s in running], device=device)
         lengths = torch.tensor([s.length for s in running], device=device)
         logits = self.model.decode(tokens, lengths, self.cache, span=max(s.length for s in running) + 1)
@@ -362,56 +391,51 @@ class LLMEngine:
         self.stats["decode_steps"] += 1
         self._accept(running, logits, finished)
 
+    def _eager_reason(self) -> str | None:
+        """Why the running batch cannot take the static step (None: it can)."""
+        key = self._running[0].request.params.choice_key()
+        for seq in self._running:
+            params = seq.request.params
+            if params.logits_processor:
+                return "logits_processor"
+            if params.logprobs > 0:
+                return "logprobs"
+            if seq.request.listener is not None:
+                return "streaming"
+            if params.stop_checker:
+                return "stop_checker"
+            if params.choice_key() != key:
+                return "mixed_params"
+        return None
+
     def _burst_steps(self) -> int:
-        """How many decode steps the next step may run on the device before reading back (1: one)."""
+        """How many decode steps the static step runs on the device before reading back (1: one)."""
         running = self._running
         if self.decode_steps_per_sync == 1:
             return 1
         if self._waiting and self._waiting[0].n <= self.cache.num_slots - len(running):
             return 1  # a request can join now: admit it at the next step
-        key = running[0].request.params.choice_key()
-        for seq in running:
-            params = seq.request.params
-            if (
-                params.logits_processor
-                or params.stop_checker
-                or params.logprobs > 0
-                or seq.request.listener is not None
-                or params.choice_key() != key
-            ):
-                return 1
         room = min(
             min(s.request.max_new_tokens - len(s.token_ids), self.cache.max_len - s.length) for s in running
         )
         return max(1, min(self.decode_steps_per_sync, room))
 
-    def _decode_burst(self, steps: int, finished: list[EngineRequest]) -> None:
-        """``steps`` decode steps for every running sequence with one read back, then the step-by-step
+    def _decode_static(self, steps: int, finished: list[EngineRequest]) -> None:
+        """``steps`` decode steps of every running sequence with one read back, then the step-by-step
         acceptance on the host (see the module docstring)."""
-        device = self.model.device
         running = self._running
         params = running[0].request.params
-        tokens = torch.tensor([s.pending for s in running], device=device)
-        lengths = torch.tensor([s.length for s in running], device=device)
-        span = max(s.length for s in running) + 1
-        seeded = self._seeded_streams(running, params)
-        chosen, chosen_log_probs = [], []
-        for i in range(steps):
-            logits = self.model.decode(tokens, lengths, self.cache, span=span + i)
-            uniforms = None
-            if seeded is not None:
-                rows, seeds, samples, positions = seeded
-                uniforms = 1.0 - torch.rand(len(running), generator=self.generator, device=device).double()
-                uniforms[rows] = seeded_uniforms(seeds, samples, positions + i).to(uniforms.device)
-            tokens, log_probs = choose_tokens(logits, params, self.generator, uniforms)
-            chosen.append(tokens)
-            chosen_log_probs.append(log_probs)
-            lengths = lengths + 1
-        host_tokens, host_log_probs = torch.stack(
-            (torch.stack(chosen).double(), torch.stack(chosen_log_probs).double())
-        ).tolist()  # (steps, B) each: the burst's one read back
+        seeded = [seq.request.params.seed is not None for seq in running]
+        rows = StepRows(
+            tokens=[s.pending for s in running],
+            lengths=[s.length for s in running],
+            seeds=stream_keys(running) if any(seeded) else None,
+            seeded=seeded,
+        )
+        host_tokens, host_log_probs = self.decoder.run(rows, params, steps)
         self.stats["host_reads"] += 1
         self.stats["decode_steps"] += steps
+        self.stats["static_steps"] += steps
         for i in range(steps):
             alive = [(row, seq) for row, seq in enumerate(running) if seq.pending != -2]
             if not alive:
@@ -421,20 +445,11 @@ class LLMEngine:
             self.stats["generated_tokens"] += len(alive)
             self._take(
                 [seq for _, seq in alive],
-                [int(host_tokens[i][row]) for row, _ in alive],
+                [host_tokens[i][row] for row, _ in alive],
                 [host_log_probs[i][row] for row, _ in alive],
                 {},
                 finished,
             )
-
-    def _seeded_streams(self, seqs: list[RunningSequence], params: SamplingParams):
-        """For a sampled burst with seeded rows: (rows, seeds, sample indices, next positions) as device
-        tensors, so each step's draws are made on the device; else None."""
-        rows = [row for row, seq in enumerate(seqs) if seq.request.params.seed is not None]
-        if params.greedy or not rows:
-            return None
-        device = self.model.device
-        return torch.tensor(rows, device=device), *_stream_keys(seqs, rows, device)
 
     def _accept(
         self, seqs: list[RunningSequence], logits: torch.Tensor, finished: list[EngineRequest]
@@ -443,7 +458,7 @@ class LLMEngine:
         tokens, log_probs = self._choose(seqs, logits, finished)
         self.stats["generated_tokens"] += len(seqs)
         self.stats["host_reads"] += 1
-        self._take(seqs, tokens.tolist(), log_probs.tolist(), _top_alternatives(seqs, logits), finished)
+        self._take(seqs, tokens.tolist(), log_probs.tolist(), top_alternatives(seqs, logits), finished)
 
     def _take(
         self,
@@ -526,9 +541,9 @@ class LLMEngine:
         uniforms = (
             1.0 - torch.rand(len(seqs), generator=self.generator, device=self.generator.device).double()
         )
-        rows = [row for row, is_seeded in enumerate(seeded) if is_seeded]
-        seeds, samples, positions = _stream_keys(seqs, rows, torch.device("cpu"))
-        uniforms[torch.tensor(rows)] = seeded_uniforms(seeds, samples, positions).to(uniforms.device)
+        rows = torch.tensor([row for row, is_seeded in enumerate(seeded) if is_seeded])
+        seeds, samples, positions = torch.tensor(stream_keys(seqs), dtype=torch.long)[rows].T
+        uniforms[rows] = seeded_uniforms(seeds, samples, positions).to(uniforms.device)
         return uniforms
 
     def _compact(self) -> None:
@@ -586,46 +601,6 @@ class LLMEngine:
     def _deliver(self, request: EngineRequest, result: GenerationResult) -> None:
         """Hand a finished request's result to whoever awaits it (``generate`` / ``stream``)."""
         if request.future is not None:
-            self._to_loop(_settle, request.future, result)
+            self._to_loop(settle, request.future, result)
         if request.listener is not None:
             self._to_loop(request.listener.put_nowait, result)
-
-
-def _settle(future: asyncio.Future, result: GenerationResult) -> None:
-    if future.done():
-        return
-    if result.error is not None:
-        future.set_exception(EngineRequestError(result.error))
-    else:
-        future.set_result(result)
-
-
-def _stream_keys(seqs: list[RunningSequence], rows: list[int], device: torch.device) -> torch.Tensor:
-    """The seeded draw keys of ``rows``: a (3, len(rows)) int64 tensor on ``device`` holding their seeds,
-    sample indices and next stream positions (see :func:`~.sampling.seeded_uniforms`)."""
-    values = [
-        (
-            seqs[r].request.params.seed,
-            seqs[r].request.params.seed_sample + seqs[r].index,
-            seqs[r].request.params.seed_position + len(seqs[r].token_ids),
-        )
-        for r in rows
-    ]
-    return torch.tensor(values, dtype=torch.long, device=device).T
-
-
-def _top_alternatives(
-    seqs: list[RunningSequence], logits: torch.Tensor
-) -> dict[int, list[tuple[int, float]]]:
-    """Row -> the ``params.logprobs`` most likely (token, log-prob) pairs of the distribution the row
-    samples from (its temperature; untempered when greedy), for the rows that ask."""
-    found: dict[int, list[tuple[int, float]]] = {}
-    for row, seq in enumerate(seqs):
-        params = seq.request.params
-        if params.logprobs <= 0:
-            continue
-        scale = params.temperature if not params.greedy and params.temperature != 1.0 else 1.0
-        log_probs = torch.log_softmax(logits[row].float() / scale, dim=-1)
-        values, indices = torch.topk(log_probs, min(params.logprobs, log_probs.shape[-1]))
-        found[row] = list(zip(indices.tolist(), values.tolist(), strict=True))
-    return found

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+import torch
+
 from hybridflow.workers.rollout.engine.sampling import SamplingParams
 
 
@@ -87,3 +89,44 @@ def raise_failed(requests: list[EngineRequest]) -> None:
             raise EngineRequestError(
                 f"request {request.request_id} failed in the engine: {request.error!r}"
             ) from request.error
+
+
+def settle(future: asyncio.Future, result: GenerationResult) -> None:
+    """Resolve an awaiting ``generate`` call's future with ``result`` (its error raised as
+    :class:`EngineRequestError`); a future already done (cancelled) is left alone."""
+    if future.done():
+        return
+    if result.error is not None:
+        future.set_exception(EngineRequestError(result.error))
+    else:
+        future.set_result(result)
+
+
+def stream_keys(seqs: list[RunningSequence]) -> list[tuple[int, int, int]]:
+    """Each sequence's seeded draw key (seed, sample index, next stream position) (see
+    :func:`~.sampling.seeded_uniforms`); (0, 0, 0) for a sequence without a seed."""
+    keys = []
+    for seq in seqs:
+        params = seq.request.params
+        if params.seed is None:
+            keys.append((0, 0, 0))
+        else:
+            keys.append(
+                (params.seed, params.seed_sample + seq.index, params.seed_position + len(seq.token_ids))
+            )
+    return keys
+
+
+def top_alternatives(seqs: list[RunningSequence], logits: torch.Tensor) -> dict[int, list[tuple[int, float]]]:
+    """Row -> the ``params.logprobs`` most likely (token, log-prob) pairs of the distribution the row
+    samples from (its temperature; untempered when greedy), for the rows that ask. logits (B, V)."""
+    found: dict[int, list[tuple[int, float]]] = {}
+    for row, seq in enumerate(seqs):
+        params = seq.request.params
+        if params.logprobs <= 0:
+            continue
+        scale = params.temperature if not params.greedy and params.temperature != 1.0 else 1.0
+        log_probs = torch.log_softmax(logits[row].float() / scale, dim=-1)
+        values, indices = torch.topk(log_probs, min(params.logprobs, log_probs.shape[-1]))
+        found[row] = list(zip(indices.tolist(), values.tolist(), strict=True))
+    return found
