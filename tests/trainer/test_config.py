@@ -135,7 +135,7 @@ REJECTED = [
         "actor_rollout_ref.rollout.tensor_model_parallel_size=3",
         "rollout.tensor_model_parallel_size=3 does not divide the role's 2 worker processes",
     ),
-    ("actor_rollout_ref.rollout.enforce_eager=false", "always runs eagerly"),
+    ("actor_rollout_ref.rollout.cudagraph_capture_sizes=[0,8]", "must be null or a list of ints >= 1"),
     ("actor_rollout_ref.rollout.enable_chunked_prefill=true", "prefills whole prompts"),
     ("actor_rollout_ref.rollout.disable_log_stats=false", "rollout.disable_log_stats=False is not supported"),
     ("reward_model.launch_reward_fn_async=true", "reward_model.launch_reward_fn_async=True"),
@@ -349,3 +349,29 @@ def test_entry_point_yamls_are_honest():
         assert "unused" not in text, name
         for key in limited:
             assert re.search(rf"^\s*{key.rsplit('.', 1)[-1]}:.*# only", text, flags=re.M), (name, key)
+
+
+@pytest.mark.parametrize("eager", ["true", "false"])
+def test_the_engine_takes_enforce_eager_either_way(base_overrides, eager):
+    """false (verl's default) captures decode in CUDA graphs on CUDA and runs the same step eagerly on
+    the CPU; true never captures."""
+    validate_config(load_config([*base_overrides, f"actor_rollout_ref.rollout.enforce_eager={eager}"]))
+    validate_config(
+        load_config([*base_overrides, "actor_rollout_ref.rollout.cudagraph_capture_sizes=[1,2,4,8]"])
+    )
+
+
+def test_captured_decode_with_tensor_parallel_generation_is_refused_on_cuda():
+    from omegaconf import OmegaConf
+
+    from hybridflow.trainer.config.honesty import _engine_capture_problems
+
+    config = OmegaConf.create(
+        {"trainer": {"device": "cuda"}, "actor_rollout_ref": {"rollout": {"tensor_model_parallel_size": 2}}}
+    )
+    assert "set actor_rollout_ref.rollout.enforce_eager=true" in _engine_capture_problems(config)[0]
+    config.actor_rollout_ref.rollout.enforce_eager = True
+    assert _engine_capture_problems(config) == []
+    config.actor_rollout_ref.rollout.enforce_eager = False
+    config.trainer.device = "cpu"  # nothing is captured on the CPU
+    assert _engine_capture_problems(config) == []

@@ -270,7 +270,6 @@ GENERATION_REJECTED = [
     ("rollout.mode=async", "rollout.mode='async' is not supported"),
     ("rollout.n=4", "rollout.n=4 is not supported (data.n_samples sets the responses per prompt"),
     ("rollout.tensor_model_parallel_size=2", "tensor-parallel generation is not implemented"),
-    ("rollout.enforce_eager=false", "the embedded engine always runs eagerly"),
     ("rollout.enable_chunked_prefill=true", "the embedded engine prefills whole prompts"),
     ("rollout.disable_log_stats=false", "the engine logs no periodic stats"),
     ("rollout.calculate_log_probs=true", "no log-probs column"),

@@ -252,7 +252,8 @@ def _engine_kwargs_problems(config: DictConfig) -> list[str]:
     ]
 
 
-ENGINE_ONLY_KEYS = ("decode_threads", "decode_steps_per_sync")  # rollout keys only the embedded engine reads
+# rollout keys only the embedded engine reads
+ENGINE_ONLY_KEYS = ("decode_threads", "decode_steps_per_sync", "cudagraph_capture_sizes")
 
 
 def _engine_capture_problems(config: DictConfig) -> list[str]:
@@ -260,6 +261,13 @@ def _engine_capture_problems(config: DictConfig) -> list[str]:
     CUDA; with tensor-parallel generation (collectives inside the step) that is not implemented."""
     rollout = config.actor_rollout_ref.rollout
     tp = int(rollout.get("tensor_model_parallel_size") or 1)
+    sizes = rollout.get("cudagraph_capture_sizes")
+    if sizes is not None and (
+        not isinstance(sizes, (list, ListConfig)) or not all(isinstance(x, int) and x >= 1 for x in sizes)
+    ):
+        return [
+            f"actor_rollout_ref.rollout.cudagraph_capture_sizes={sizes} must be null or a list of ints >= 1"
+        ]
     if str(config.trainer.get("device", "cpu")) == "cuda" and tp > 1 and not rollout.get("enforce_eager"):
         return [
             f"actor_rollout_ref.rollout.enforce_eager=false captures the engine's decode step in CUDA "
@@ -292,6 +300,11 @@ def _rollout_backend_problems(config: DictConfig) -> list[str]:
 
     actor_tp = int(config.actor_rollout_ref.actor.get("tensor_model_parallel_size") or 1)
     problems = [f"actor_rollout_ref.{line}" for line in vllm_config_problems(rollout, actor_tp)]
+    if rollout.get("cudagraph_capture_sizes") is not None:  # vLLM takes its own through engine_kwargs
+        problems.append(
+            "actor_rollout_ref.rollout.cudagraph_capture_sizes is the embedded engine's; for vLLM pass "
+            "engine_kwargs.vllm.compilation_config.cudagraph_capture_sizes: remove it"
+        )
     reason = vllm_unavailable_reason(str(config.trainer.device))
     if reason is not None:
         return [*problems, f"actor_rollout_ref.rollout.name=vllm cannot run: {reason}"]

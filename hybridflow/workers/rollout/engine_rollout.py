@@ -114,7 +114,15 @@ def build_llm_engine(
         seed=int(config.get("seed", 0)),
         allocate_cache=allocate_cache,
         decode_steps_per_sync=decode_steps_per_sync(config, model.device),
+        enforce_eager=bool(config.get("enforce_eager", False)),
+        cudagraph_capture_sizes=_capture_sizes(config),
     )
+
+
+def _capture_sizes(config) -> list[int] | None:
+    """``rollout.cudagraph_capture_sizes`` as a list of ints (None: the engine's default buckets)."""
+    sizes = config.get("cudagraph_capture_sizes")
+    return None if sizes is None else [int(size) for size in sizes]
 
 
 def decode_steps_per_sync(config, device: torch.device) -> int:
