@@ -18,7 +18,13 @@ every row in one left-padded batch (its fastest setting here); the engine gets e
     python benchmarks/rollout.py --model smollm2 --device cuda --dtype bf16 --prompts 128 --n 4 \
         --new-tokens 256                            # issue 26's GPU target: 512 rows x 256 tokens
 
-Prints one JSON line: tokens/s of each, their ratio per workload, and the engine's counters.
+Prints one JSON line: tokens/s of each, their ratio per workload, and the engine's counters
+(decode steps, static / eager steps, CUDA graphs captured and the seconds it took). ``--profile-step``
+adds ``step_profile``: one decode step of the fixed-length workload at full batch, its aten ops and
+host reads (engine/op_count.py) and its milliseconds; on CUDA also the profiler's view of it (kernels
+launched, GPU busy time against the step's wall time, the top kernels). ``--enforce-eager`` decodes
+without CUDA graphs (the engine's ``enforce_eager``); ``HYBRIDFLOW_DECODE_ATTENTION=span|flex``
+picks the decode attention (engine/attention.py).
 """
 
 from __future__ import annotations
@@ -115,12 +121,26 @@ def hf_generate(model, prompts: list[list[int]], args, stop_ids: list[int]) -> t
     return int(get_response_mask(generated, stop_ids).sum()), elapsed
 
 
-def engine_generate(model, prompts: list[list[int]], args, stop_ids: list[int]) -> tuple[int, float, dict]:
-    from hybridflow.workers.rollout.engine import EngineModel, LLMEngine, SamplingParams
+def build_engine(model, args):
+    from hybridflow.workers.rollout.engine import EngineModel, LLMEngine
 
     max_len = args.max_prompt + args.new_tokens
     engine_model = EngineModel.from_hf_module(model, max_len, dtype=model.dtype, device=model.device)
-    engine = LLMEngine(engine_model, max_num_seqs=args.max_num_seqs, max_model_len=max_len, eos_token_ids=[])
+    per_sync = args.decode_steps_per_sync or (8 if model.device.type == "cuda" else 1)
+    return LLMEngine(
+        engine_model,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=max_len,
+        eos_token_ids=[],
+        decode_steps_per_sync=per_sync,
+        enforce_eager=args.enforce_eager,
+    )
+
+
+def engine_generate(model, prompts: list[list[int]], args, stop_ids: list[int]) -> tuple[int, float, dict]:
+    from hybridflow.workers.rollout.engine import SamplingParams
+
+    engine = build_engine(model, args)
     params = SamplingParams(
         max_new_tokens=args.new_tokens, temperature=args.temperature, stop_token_ids=tuple(stop_ids)
     )
@@ -130,7 +150,58 @@ def engine_generate(model, prompts: list[list[int]], args, stop_ids: list[int]) 
     _synchronize(model.device)
     elapsed = time.perf_counter() - start
     tokens = sum(len(c.token_ids) for r in results for c in r.completions)
-    return tokens, elapsed, dict(engine.stats)
+    return tokens, elapsed, {**engine.stats, "eager_reasons": dict(engine.eager_reasons)}
+
+
+def profile_decode_step(model, prompts: list[list[int]], args) -> dict:
+    """One engine step that only decodes (every row running, graphs already captured): its ops and
+    host reads, its wall time per decode step and, on CUDA, the profiler's kernel summary."""
+    from hybridflow.workers.rollout.engine import SamplingParams
+    from hybridflow.workers.rollout.engine.op_count import profile_step
+
+    engine = build_engine(model, args)
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, ignore_eos=True)
+    for prompt in prompts:
+        engine.add_request(prompt, params, n=args.n)
+    for _ in range(3):  # prefill, then decode steps that capture the full batch's graphs
+        engine.step()
+    out = profile_step(engine)
+    _synchronize(model.device)
+    steps_before, start = engine.stats["decode_steps"], time.perf_counter()
+    for _ in range(3):
+        engine.step()
+    _synchronize(model.device)
+    steps = engine.stats["decode_steps"] - steps_before
+    out["ms_per_decode_step"] = round((time.perf_counter() - start) * 1e3 / max(1, steps), 2)
+    out["batch"] = engine.num_running
+    if model.device.type == "cuda":
+        out["cuda"] = cuda_profile(engine)
+    return out
+
+
+def cuda_profile(engine, top: int = 8) -> dict:
+    """torch.profiler over one engine step: kernels launched, GPU busy time, the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    steps_before = engine.stats["decode_steps"]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) * 1e3
+    events = [e for e in prof.key_averages() if getattr(e, "device_type", None) is not None]
+    kernels = [e for e in events if str(e.device_type).endswith("CUDA") and e.device_time_total > 0]
+    busy_ms = sum(e.device_time_total for e in kernels) / 1e3
+    kernels.sort(key=lambda e: e.device_time_total, reverse=True)
+    return {
+        "decode_steps": engine.stats["decode_steps"] - steps_before,
+        "wall_ms": round(wall_ms, 2),
+        "gpu_busy_ms": round(busy_ms, 2),
+        "gpu_busy_fraction": round(busy_ms / wall_ms, 3) if wall_ms else None,
+        "kernel_launches": sum(e.count for e in kernels),
+        "top_kernels_ms": {e.key[:60]: round(e.device_time_total / 1e3, 3) for e in kernels[:top]},
+    }
 
 
 def compare(model, prompts, args, stop_ids: list[int]) -> dict:
@@ -141,6 +212,22 @@ def compare(model, prompts, args, stop_ids: list[int]) -> dict:
         "engine_s": round(engine_s, 2),
         "mean_response_tokens": round(engine_tokens / rows, 1),
         "engine_decode_steps": stats["decode_steps"],
+        "engine_stats": {
+            key: round(value, 3) if isinstance(value, float) else value
+            for key, value in stats.items()
+            if key
+            in (
+                "static_steps",
+                "eager_steps",
+                "host_reads",
+                "graph_captures",
+                "graph_capture_s",
+                "graph_replays",
+                "uncaptured_steps",
+                "padded_rows",
+                "eager_reasons",
+            )
+        },
     }
     if not args.skip_hf:
         hf_tokens, hf_s = hf_generate(model, prompts, args, stop_ids)
@@ -165,6 +252,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop-fraction", type=float, default=0.02, help="0: only the fixed-length workload")
     parser.add_argument("--skip-hf", action="store_true", help="time only the engine")
+    parser.add_argument("--enforce-eager", action="store_true", help="the engine never captures CUDA graphs")
+    parser.add_argument("--decode-steps-per-sync", type=int, help="default: 8 on CUDA, 1 on the CPU")
+    parser.add_argument("--profile-step", action="store_true", help="add step_profile (see the docstring)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -184,6 +274,9 @@ def main(argv: list[str] | None = None) -> None:
         "max_new_tokens": args.new_tokens,
         "fixed_length": compare(model, prompts, args, stop_ids=[]),
     }
+    if args.profile_step:
+        result["step_profile"] = profile_decode_step(model, prompts, args)
+        print(json.dumps({"step_profile": result["step_profile"]}), flush=True)  # kept if a later part dies
     if args.stop_fraction > 0:
         result["variable_length"] = compare(model, prompts, args, stop_ids)
     if args.device == "cuda":

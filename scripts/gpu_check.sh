@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# Issue 26's one command for a GPU host: every figure as a JSON line in $OUT/gpu_check.jsonl.
+# The one command for a GPU host (issue 33): every figure as a JSON line in $OUT/gpu_check.jsonl, written as
+# each phase ends, the most important first, each phase under its own `timeout` so that a run cut off at the
+# host's limit still brings back what finished.
 #
-#   scripts/gpu_check.sh tests            # run 1 (<=10 min): tests/cuda, then the suite with the GPU visible
-#   scripts/gpu_check.sh bench [--with-trl]
-#                                         # run 2 (<=10 min): a 6-step GRPO main_ppo on CUDA with a save and
-#                                         # an exact resume, engine vs HF generate (512 rows x 256 tokens,
-#                                         # bf16), a GRPO step on TRL's workload (64 prompts x 8, 256
-#                                         # tokens, SmolLM2-135M's shape), and with --with-trl TRL's own
-#                                         # GRPOTrainer step on the same model and prompts, same host
-#   scripts/gpu_check.sh all [--with-trl] # both, one after the other
-#   add --dry-run to print the commands instead of running them
+#   scripts/gpu_check.sh all [--with-trl]   # one call (<= 8 min with the ~25 s install): the plan below
+#   scripts/gpu_check.sh bench [--with-trl] # engine vs HF (with a profile of one decode step), ours vs TRL
+#   scripts/gpu_check.sh tests              # tests/cuda only (the graph tests, then the rest)
+#   scripts/gpu_check.sh suite              # the CPU suite with the GPU visible (a call of its own, ~10 min)
+#   add --dry-run to print the plan (each phase's command and time limit, their sum) instead of running it
+#
+# The plan of `all`, in priority order: engine vs HF generate at 512 rows x 256 tokens, bf16, SmolLM2-135M's
+# shape, with one decode step's profile (rollout.py --profile-step); ours vs TRL on TRL's GRPO workload (64
+# prompts x 8, 256 tokens; TRL's own GRPOTrainer on the same model and prompts with --with-trl); tests/cuda
+# (the captured decode step first); a GRPO main_ppo on CUDA with a save and an exact resume.
 #
 # Run from the project's root after ../shared/device/README.md's install (PYTHONPATH=/tmp/site:$PWD).
-# Environment: PY (python3), OUT ($OUT or ./gpu_check_out), XDIST (8: pytest-xdist processes for the
-# suite), PEERS (../shared/peers or ./shared/peers: trl/trl_grpo_bench.py for --with-trl).
+# Environment: PY (python3), OUT ($OUT or ./gpu_check_out), XDIST (8: pytest-xdist processes for `suite`),
+# PEERS (../shared/peers or ./shared/peers: trl/trl_grpo_bench.py for --with-trl), INSTALL_S (25: the
+# install's seconds, counted in the plan), BUDGET_S (480: the plan must fit it).
 set -uo pipefail
 
 PHASE=${1:-}
@@ -28,8 +32,8 @@ for arg in "$@"; do
     esac
 done
 case "$PHASE" in
-    tests | bench | all) ;;
-    *) sed -n '2,17p' "$0" >&2; exit 2 ;;
+    all | bench | tests | suite) ;;
+    *) sed -n '2,20p' "$0" >&2; exit 2 ;;
 esac
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -37,6 +41,8 @@ cd "$ROOT" || exit 1
 PY=${PY:-python3}
 OUT=${OUT:-$ROOT/gpu_check_out}
 XDIST=${XDIST:-8}
+INSTALL_S=${INSTALL_S:-25}
+BUDGET_S=${BUDGET_S:-480}
 if [ -z "${PEERS:-}" ]; then  # the device machine gets shared/ inside the checkout
     PEERS=$ROOT/../shared/peers
     [ -d "$ROOT/shared/peers" ] && PEERS=$ROOT/shared/peers
@@ -45,29 +51,33 @@ RESULTS="$OUT/gpu_check.jsonl"
 WORK="$OUT/work"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_WAIT_POLICY=PASSIVE
 FAILED=0
+PLANNED=0
 
-# step NAME CMD...: run CMD (its output in $OUT/NAME.log); its JSON lines (lines starting with "{")
-# go to $RESULTS, and a line {"check": NAME, "rc": ..., "wall_s": ...} after them.
+# step NAME LIMIT_S CMD...: run CMD under `timeout LIMIT_S` (its output in $OUT/NAME.log); its JSON lines
+# (lines starting with "{") go to $RESULTS, then {"check": NAME, "rc": ..., "wall_s": ..., "limit_s": ...}.
 step() {
-    local name=$1
-    shift
+    local name=$1 limit=$2
+    shift 2
+    PLANNED=$((PLANNED + limit))
     if [ "$DRY" = 1 ]; then
-        echo "[$name] $*"
+        echo "[$name] timeout $limit $*"
         return 0
     fi
-    echo "gpu_check: $name ..." >&2
+    echo "gpu_check: $name (at most ${limit}s) ..." >&2
     local start rc
     start=$(date +%s)
-    "$@" > "$OUT/$name.log" 2>&1
+    timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
     rc=$?
     grep '^{' "$OUT/$name.log" >> "$RESULTS"
-    printf '{"check": "%s", "rc": %d, "wall_s": %d}\n' "$name" "$rc" "$(($(date +%s) - start))" | tee -a "$RESULTS"
+    printf '{"check": "%s", "rc": %d, "wall_s": %d, "limit_s": %d}\n' "$name" "$rc" \
+        "$(($(date +%s) - start))" "$limit" | tee -a "$RESULTS"
     [ "$rc" = 0 ] || { FAILED=1; tail -n 30 "$OUT/$name.log" >&2; }
 }
 
 # pytest_summary NAME XML: one JSON line of a junit file's counts
 pytest_summary() {
-    "$PY" - "$1" "$2" <<'PY'
+    [ "$DRY" = 1 ] || [ ! -f "$2" ] && return 0
+    "$PY" - "$1" "$2" <<'PY' | tee -a "$RESULTS"
 import json, sys, xml.etree.ElementTree as ET
 name, path = sys.argv[1], sys.argv[2]
 suites = ET.parse(path).getroot()
@@ -80,34 +90,27 @@ print(json.dumps({"pytest": name, "tests": count("tests"), "failures": count("fa
 PY
 }
 
-run_tests() {
-    step tests_cuda "$PY" -m pytest tests/cuda -q -rs -p no:cacheprovider --junitxml="$OUT/tests_cuda.xml"
-    [ "$DRY" = 1 ] || pytest_summary tests_cuda "$OUT/tests_cuda.xml" | tee -a "$RESULTS"
-    # the CPU suite with the GPU visible (tests/conftest.py pins it to the CPU device layer)
-    step tests_suite "$PY" -m pytest tests -q -rs -p no:cacheprovider -n "$XDIST" --ignore=tests/cuda \
-        --junitxml="$OUT/tests_suite.xml"
-    [ "$DRY" = 1 ] || pytest_summary tests_suite "$OUT/tests_suite.xml" | tee -a "$RESULTS"
+engine_vs_hf() {  # 1: the engine's decode speed against HF generate, and where one decode step's time goes
+    step engine_vs_hf 110 "$PY" benchmarks/rollout.py --model smollm2 --device cuda --dtype bf16 \
+        --prompts 128 --n 4 --new-tokens 256 --max-prompt 64 --max-num-seqs 512 --profile-step
 }
 
-run_bench() {
-    step resume_check "$PY" benchmarks/resume_check.py --device cuda --steps 6 --save-at 3
-    step rollout_engine_vs_hf "$PY" benchmarks/rollout.py --model smollm2 --device cuda --dtype bf16 \
-        --prompts 128 --n 4 --new-tokens 256 --max-prompt 64 --max-num-seqs 512
-    # one model and one prompt set for both trainers: SmolLM2-135M's shape, the arithmetic task
-    step assets "$PY" -c "import sys; sys.path.insert(0, 'benchmarks'); import grpo_step, pathlib, json; \
+ours_vs_trl() {  # 2: a GRPO step on TRL's workload, ours and (--with-trl) TRL's, same model and prompts
+    step assets 15 "$PY" -c "import sys; sys.path.insert(0, 'benchmarks'); import grpo_step, pathlib, json; \
 m, t = grpo_step.default_assets(pathlib.Path('$WORK'), 'smollm2'); print(json.dumps({'model': m, 'train': t}))"
     local model="$WORK/model" train="$WORK/data/train.parquet"
-    step grpo_step "$PY" benchmarks/grpo_step.py --device cuda --workers 1 --model "$model" --train-file "$train" \
-        --prompts 64 --n 8 --max-prompt-length 64 --max-response-length 256 --steps 5 --kl-coef 0 --lr 1e-5
-    if [ "$WITH_TRL" = 1 ]; then
-        # TRL's table: the same prompts as plain text (idx, prompt, ground_truth)
-        step trl_data "$PY" -c "import pandas as pd; d = pd.read_parquet('$train'); pd.DataFrame({'idx': range(len(d)), \
+    step grpo_step 80 "$PY" benchmarks/grpo_step.py --device cuda --workers 1 --model "$model" \
+        --train-file "$train" --prompts 64 --n 8 --max-prompt-length 64 --max-response-length 256 --steps 2 \
+        --kl-coef 0 --lr 1e-5
+    [ "$WITH_TRL" = 1 ] || return 0
+    # TRL's table: the same prompts as plain text (idx, prompt, ground_truth)
+    step trl_data 10 "$PY" -c "import pandas as pd; d = pd.read_parquet('$train'); pd.DataFrame({'idx': range(len(d)), \
 'prompt': [p[-1]['content'] for p in d['prompt']], 'ground_truth': [r['ground_truth'] for r in d['reward_model']]}) \
 .to_parquet('$WORK/trl_train.parquet'); print('{\"trl_rows\": %d}' % len(d))"
-        step trl_grpo_step "$PY" "$PEERS/trl/trl_grpo_bench.py" --model "$model" --train-file "$WORK/trl_train.parquet" \
-            --prompt-format plain --prompts-per-step 64 --num-generations 8 --max-prompt-length 64 \
-            --max-completion-length 256 --steps 5 --lr 1e-5 --bf16 true --out "$OUT/trl.jsonl"
-        [ "$DRY" = 1 ] || "$PY" - "$RESULTS" <<'PY' | tee -a "$RESULTS"
+    step trl_grpo_step 90 "$PY" "$PEERS/trl/trl_grpo_bench.py" --model "$model" --train-file "$WORK/trl_train.parquet" \
+        --prompt-format plain --prompts-per-step 64 --num-generations 8 --max-prompt-length 64 \
+        --max-completion-length 256 --steps 2 --lr 1e-5 --bf16 true --out "$OUT/trl.jsonl"
+    [ "$DRY" = 1 ] || "$PY" - "$RESULTS" <<'PY' | tee -a "$RESULTS"
 import json, sys
 lines = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 ours = next((l for l in reversed(lines) if l.get("benchmark") == "grpo_step"), None)
@@ -119,7 +122,28 @@ if ours and trl:
                                  "ours_step_s": ours["step_s"], "trl_step_s": trl["throughput"]["s_per_step"],
                                  "ratio": round(ratio, 2)}}))
 PY
-    fi
+}
+
+tests_cuda() {  # 3: the captured decode step's tests (seconds, no Ray); `tests` adds the rest of tests/cuda
+    step tests_cuda_graphs 45 "$PY" -m pytest tests/cuda/test_cuda_graphs.py -q -rs -s -p no:cacheprovider \
+        --junitxml="$OUT/tests_cuda_graphs.xml"
+    pytest_summary tests_cuda_graphs "$OUT/tests_cuda_graphs.xml"
+}
+
+tests_cuda_rest() {  # GRPO / PPO / LoRA / resume / merger through main_ppo on CUDA (a Ray start: > 80 s)
+    step tests_cuda 300 "$PY" -m pytest tests/cuda -q -rs -p no:cacheprovider \
+        --ignore=tests/cuda/test_cuda_graphs.py --junitxml="$OUT/tests_cuda.xml"
+    pytest_summary tests_cuda "$OUT/tests_cuda.xml"
+}
+
+resume() {  # 4: main_ppo on CUDA, a save, and a resume that repeats the uninterrupted run's last step
+    step resume_check 100 "$PY" benchmarks/resume_check.py --device cuda --steps 3 --save-at 2
+}
+
+suite() {  # the CPU suite with the GPU visible (tests/conftest.py pins it to the CPU device layer)
+    step tests_suite 570 "$PY" -m pytest tests -q -rs -p no:cacheprovider -n "$XDIST" --ignore=tests/cuda \
+        --junitxml="$OUT/tests_suite.xml"
+    pytest_summary tests_suite "$OUT/tests_suite.xml"
 }
 
 if [ "$DRY" = 0 ]; then
@@ -130,9 +154,17 @@ if [ "$DRY" = 0 ]; then
 'gpu': torch.cuda.get_device_name()}))" | tee -a "$RESULTS"
 fi
 case "$PHASE" in
-    tests) run_tests ;;
-    bench) run_bench ;;
-    all) run_tests; run_bench ;;
+    all) engine_vs_hf; ours_vs_trl; tests_cuda; resume ;;
+    bench) engine_vs_hf; ours_vs_trl ;;
+    tests) tests_cuda; tests_cuda_rest ;;
+    suite) suite ;;
 esac
-[ "$DRY" = 1 ] || echo "gpu_check: results in $RESULTS" >&2
+if [ "$DRY" = 1 ]; then
+    TOTAL=$((PLANNED + INSTALL_S))
+    FITS=yes
+    [ "$PHASE" = all ] && [ "$TOTAL" -gt "$BUDGET_S" ] && FITS=no
+    echo "plan: ${PLANNED}s of phase limits + ${INSTALL_S}s install = ${TOTAL}s (budget ${BUDGET_S}s for all: $FITS)"
+else
+    echo "gpu_check: results in $RESULTS" >&2
+fi
 exit "$FAILED"
