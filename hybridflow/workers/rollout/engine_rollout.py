@@ -316,13 +316,18 @@ class EngineRollout(BaseRollout):
             self.config.get("seed", 0), meta.get("global_steps", 0), self.seed_rank
         )
         self.engine.reseed(self._call_seed)
-        start = time.perf_counter()
+        start, captured = time.perf_counter(), self._graph_capture_s()
         if self.multi_turn:
             output = self._generate_conversations(prompts, params, eos_ids, pad_id)
         else:
             output = self._generate_single_turn(prompts, params, eos_ids, pad_id)
         output.meta_info["metrics"] = {"engine_generate": time.perf_counter() - start}
+        if self.engine.decoder.capture:  # CUDA graphs re-captured this rollout (the cache moved)
+            output.meta_info["metrics"]["engine_graph_capture"] = self._graph_capture_s() - captured
         return output
+
+    def _graph_capture_s(self) -> float:
+        return sum(e.stats["graph_capture_s"] for e in (self.engine, *self._decode_engines))
 
     def _generate_single_turn(self, prompts: DataProto, params: SamplingParams, eos_ids, pad_id) -> DataProto:
         groups = request_groups(prompts, params, self.config.get("seed", 0))
