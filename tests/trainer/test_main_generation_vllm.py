@@ -36,11 +36,24 @@ def _responses(model_dir, rows, out, *overrides) -> list[list[str]]:
 
 def test_vllm_generation_greedy_equals_the_engine_and_seeds_reproduce(vllm_model_dir, rows, tmp_path):
     greedy = ("rollout.do_sample=false", "data.n_samples=2")
-    on_vllm = _responses(vllm_model_dir, rows, tmp_path / "v.parquet", "rollout.name=vllm", *greedy)
+    on_vllm = _responses(
+        vllm_model_dir,
+        rows,
+        tmp_path / "v.parquet",
+        "rollout.name=vllm",
+        "rollout.enforce_eager=true",
+        *greedy,
+    )
     on_engine = _responses(vllm_model_dir, rows, tmp_path / "e.parquet", *greedy)
     assert on_vllm == on_engine
     assert any(response for row in on_vllm for response in row)  # non-empty: the comparison means something
-    sampled = ("rollout.name=vllm", "data.n_samples=2", "rollout.seed=3", "data.batch_size=2")
+    sampled = (
+        "rollout.name=vllm",
+        "rollout.enforce_eager=true",
+        "data.n_samples=2",
+        "rollout.seed=3",
+        "data.batch_size=2",
+    )
     first = _responses(vllm_model_dir, rows, tmp_path / "s1.parquet", *sampled)
     again = _responses(vllm_model_dir, rows, tmp_path / "s2.parquet", *sampled)
     assert first == again

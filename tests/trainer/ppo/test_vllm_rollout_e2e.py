@@ -24,6 +24,7 @@ def test_grpo_on_vllm_two_ranks_with_validation(ray_session, vllm_model_dir, ari
         tmp_path / "ckpt",
         **{
             "actor_rollout_ref.rollout.name": "vllm",
+            "actor_rollout_ref.rollout.enforce_eager": True,  # no inductor compile at start-up in tests
             "actor_rollout_ref.rollout.kv_cache_memory_gb": 0.0625,
             "actor_rollout_ref.actor.optim.lr": 1e-2,
             "actor_rollout_ref.actor.entropy_coeff": 0.01,  # a gradient even where rewards tie
@@ -67,6 +68,7 @@ def test_lora_with_multi_turn_tools_on_vllm(ray_session, vllm_model_dir, arithme
         tmp_path / "ckpt",
         **{
             "actor_rollout_ref.rollout.name": "vllm",
+            "actor_rollout_ref.rollout.enforce_eager": True,  # no inductor compile at start-up in tests
             "actor_rollout_ref.rollout.kv_cache_memory_gb": 0.0625,
             "trainer.n_gpus_per_node": 1,
             "actor_rollout_ref.model.lora_rank": 8,
