@@ -143,11 +143,11 @@ def test_stale_partial_rollouts_with_token_is(ray_session, vllm_model_dir, mixed
 def test_a_broken_weight_sync_stops_the_run_naming_the_replica(
     ray_session, vllm_model_dir, arithmetic_data, tmp_path, monkeypatch
 ):
-    """The usual async config — staleness 1, a sync every 2 updates, the rollout's log-probs as
-    old_log_probs — has no per-step gap check (its samples come from older weights, and nothing is
-    recomputed). A sync broken on purpose (the replicas get the initial weights again, labelled as the
-    new version) is caught by the probe after that sync: the run stops with an error naming the replica
-    and the version (before, it trained on, sampling from the initial weights)."""
+    """The usual async config — staleness 1, the rollout's log-probs as old_log_probs — has no per-step
+    gap check (its samples may come from older weights, and nothing is recomputed). A sync broken on
+    purpose (the replicas get the initial weights again, labelled as the new version) is caught by the
+    probe after that sync: the run stops with an error naming the replica and the version (before, it
+    trained on, sampling from the initial weights)."""
     import ray
 
     import hybridflow.trainer.fully_async.trainer as trainer_module
@@ -169,16 +169,13 @@ def test_a_broken_weight_sync_stops_the_run_naming_the_replica(
         arithmetic_data,
         tmp_path,
         "broken_sync",
-        **{
-            "async_training.staleness_threshold": 1,
-            "async_training.trigger_parameter_sync_step": 2,
-            "trainer.total_training_steps": 4,
-        },
+        **{"async_training.staleness_threshold": 1, "trainer.total_training_steps": 3},
     )
     named = r"sync to version 1: replica 0 \(rank 0\) \(rollout.name=engine\) samples with other weights"
     with pytest.raises(RolloutLogProbGapError, match=named):
         _run_fully_async(values, tmp_path)
-    assert sorted(_metrics(tmp_path, "broken_sync")) == [1]  # step 2's sync failed its probe
+    logged = tmp_path / "outputs" / "hybridflow" / "broken_sync" / "metrics.jsonl"
+    assert not logged.exists() or not logged.read_text().strip()  # step 1's sync failed: nothing logged
 
 
 ON_POLICY = {
