@@ -8,7 +8,8 @@
    carry, the teacher usually writes the carry-free answer (47 + 85 -> "22" instead of "132"), so the
    warm-started model gets the format right but carries wrongly — an imperfect policy, as after real SFT;
 4. trains it with GRPO against the rule reward (exact answer = 1), validating greedily before and
-   during training, and writes ``curves.png`` (reward and validation accuracy per step).
+   during training, and writes ``quickstart_curves.png`` (reward and validation accuracy per step) and
+   ``summary.json``.
 
 Everything runs through the real stack: Ray worker groups, FSDP2 over gloo, HF models, parquet.
 """
