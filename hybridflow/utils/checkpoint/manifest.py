@@ -89,13 +89,15 @@ class StepCheck:
 
 
 # ---------------------------------------------------------------------------------------- writing
-def _atomic_json(path: str, obj: dict) -> None:
+def atomic_write(path: str, write_fn) -> None:
+    """Call ``write_fn(binary file)`` on a temp file next to ``path``, fsync it, then rename onto ``path``
+    (a reader sees the old file or the whole new one, never a part)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=True)
+        with os.fdopen(fd, "wb") as f:
+            write_fn(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -103,6 +105,10 @@ def _atomic_json(path: str, obj: dict) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def _atomic_json(path: str, obj: dict) -> None:
+    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=1, sort_keys=True).encode()))
 
 
 def file_hash(path: str, size: int) -> str:

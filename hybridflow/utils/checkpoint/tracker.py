@@ -22,11 +22,15 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from hybridflow.utils.checkpoint.manifest import CheckpointDamagedError, check_step, manifest_shows_damage
+from hybridflow.utils.checkpoint.manifest import (
+    CheckpointDamagedError,
+    check_step,
+    manifest_shows_damage,
+)
+from hybridflow.utils.checkpoint.manifest import atomic_write as _atomic_write
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 STEP_DIR_PATTERN = re.compile(r"^global_step_(\d+)$")
@@ -35,23 +39,6 @@ STEP_DIR_PATTERN = re.compile(r"^global_step_(\d+)$")
 def global_step_dir(default_local_dir: str, step: int) -> str:
     """``default_local_dir/global_step_{step}``."""
     return os.path.join(default_local_dir, f"global_step_{step}")
-
-
-def _atomic_write(path: str, write_fn) -> None:
-    """Call ``write_fn(file_object)`` on a temp file next to ``path``, fsync it, then rename onto ``path``."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write_fn(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def atomic_torch_save(obj: Any, path: str) -> None:
