@@ -16,6 +16,10 @@ import pytest
 from hybridflow.utils.process_reaper import descendants
 from tests.tiny_run import tiny_run_values
 
+# Limits on how long a run may take stretch with the pytest processes sharing the two cores (make test
+# runs two): they bound a hang, they are not what the tests measure.
+TIME_SCALE = float(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
 PROJECT, EXPERIMENT = "hybridflow", "reliability"
 
 
@@ -63,6 +67,7 @@ class Run:
 
     def wait_until(self, predicate, timeout_s: float, what: str, poll_s: float = 0.05) -> None:
         """Poll ``predicate()`` (recording descendants) until true; fail if the run ends first."""
+        timeout_s *= TIME_SCALE
         deadline, recorded_at = time.monotonic() + timeout_s, 0.0
         while not predicate():
             if time.monotonic() - recorded_at > 0.25:  # a /proc scan: not at every fast poll
@@ -77,6 +82,7 @@ class Run:
             time.sleep(poll_s)
 
     def wait(self, timeout_s: float) -> int:
+        timeout_s *= TIME_SCALE
         try:
             return self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
