@@ -195,7 +195,8 @@ def _hostile_request(rng: random.Random, model: str) -> tuple[str, dict, bytes]:
     path = "/v1/chat/completions" if chat else "/v1/completions"
     base = {"model": model, "max_tokens": 3}
     base.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "1 + 1"})
-    headers = dict(AUTH) if rng.random() < 0.9 else rng.choice([{}, {"Authorization": "Bearer \u00e9".encode()}])
+    odd_keys = [{}, {"Authorization": "Bearer \u00e9".encode()}]  # none, or one that is not ASCII
+    headers = dict(AUTH) if rng.random() < 0.9 else rng.choice(odd_keys)
     headers["content-type"] = "application/json"
     roll = rng.random()
     if roll < 0.15:

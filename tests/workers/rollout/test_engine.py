@@ -1,7 +1,6 @@
 """The embedded engine against Hugging Face: greedy tokens, log-probs, continuous batching, async."""
 
 import asyncio
-
 import warnings
 
 import pytest

@@ -5,18 +5,14 @@ request share one prompt prefill), then decodes one token for every running sequ
 leave the batch the step they finish, and new requests join at the next step, so a long sequence
 never holds up the rest.
 
-On a GPU a read back to the host waits for all queued work, so reading every decode step's tokens
-leaves the GPU idle while Python schedules the next. With ``decode_steps_per_sync`` = k > 1 one step
-decodes up to k tokens per sequence on the device (the next step's input is the last one's output,
-positions and seeded draws advance on the device) and reads them back once; stop tokens and lengths
-are then applied on the host exactly as step by step. Tokens a sequence draws after its stop token
-within a burst are dropped (at most k - 1). Decoding, one step or a burst, is the static step of
-:mod:`.decode_step` (fixed buffers and shapes, sampling inside; captured in CUDA graphs per batch bucket
-unless ``enforce_eager``) wherever every sequence shares its sampling settings with no logits
-processor, stop checker, top-log-prob or streamed request; else the eager step (counted in
-``eager_reasons``). A burst also needs no request waiting for a free slot, and runs at most as many
-steps as every sequence's remaining tokens and cache room allow. Greedy and seeded samples are token for token those of k = 1 (unseeded draws
-come from the engine's generator, whose stream then covers the dropped tokens too). Two ways in:
+With ``decode_steps_per_sync`` = k > 1 one step decodes up to k tokens per sequence on the device and
+reads them back once (a GPU idles while the host reads); stops and lengths are then applied on the host
+exactly as step by step, dropping at most k - 1 tokens drawn past a stop. Decoding is the static step of
+:mod:`.decode_step` (fixed buffers, sampling inside; CUDA graphs per batch bucket unless
+``enforce_eager``) wherever the sequences share their sampling settings with no logits processor, stop
+checker, top-log-prob or streamed request; else the eager step (``eager_reasons``). A burst also needs no
+request waiting for a slot and stops at every sequence's remaining tokens and cache room. Greedy and
+seeded samples are token for token those of k = 1. Two ways in:
 
 - :meth:`LLMEngine.generate_batch` — a list of prompts in, their completions out (the rollout's path);
 - ``await engine.generate(prompt_ids, params)`` — one request; many concurrent calls (multi-turn
