@@ -395,6 +395,9 @@ def build_app(service: EngineService, api_key: str | None = None, max_request_by
             )
         return await _watched(service.completions(request), http_request, service.engine)
 
+    from hybridflow.serve.scoring import add_scoring_routes
+
+    add_scoring_routes(app, service)  # the teacher's /v1/score (on-policy distillation)
     return RequestGate(app, api_key, max_request_bytes)
 
 
