@@ -46,6 +46,9 @@ REWARD_BASELINES = "reward_baselines"
 # Non-tensor (numpy object array) fields that travel with the batch.
 UID = "uid"  # (B,) group id: responses to the same prompt share it (GRPO/RLOO grouping)
 DATA_SOURCE = "data_source"  # (B,) dataset name, selects the reward scorer
+# Vision-language rows (verl's names; hybridflow/utils/dataset/multimodal.py):
+MULTI_MODAL_DATA = "multi_modal_data"  # (B,) {"image": [PIL images]} per row, for rollout engines
+MULTI_MODAL_INPUTS = "multi_modal_inputs"  # (B,) {"pixel_values", "image_grid_thw"} per row ({} text rows)
 
 SCHEMA: dict[str, KeySpec] = {
     spec.name: spec
