@@ -42,6 +42,8 @@ TOKEN_LEVEL_REWARDS = "token_level_rewards"
 ADVANTAGES = "advantages"
 RETURNS = "returns"
 REWARD_BASELINES = "reward_baselines"
+TEACHER_TOPK_LOG_PROBS = "teacher_topk_logps"  # verl's gkd recipe names
+TEACHER_TOPK_IDS = "teacher_topk_indices"
 
 # Non-tensor (numpy object array) fields that travel with the batch.
 UID = "uid"  # (B,) group id: responses to the same prompt share it (GRPO/RLOO grouping)
@@ -71,6 +73,10 @@ SCHEMA: dict[str, KeySpec] = {
         KeySpec(ADVANTAGES, "(B, T_r)", "float32", "advantage estimate A_t"),
         KeySpec(RETURNS, "(B, T_r)", "float32", "return targets for the critic"),
         KeySpec(REWARD_BASELINES, "(B,)", "float32", "ReMax: reward of the prompt's greedy response"),
+        KeySpec(
+            TEACHER_TOPK_LOG_PROBS, "(B, T_r, k)", "float32", "distillation: the teacher's top-k log-probs"
+        ),
+        KeySpec(TEACHER_TOPK_IDS, "(B, T_r, k)", "int64", "distillation: the teacher's top-k token ids"),
     )
 }
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from hybridflow import keys
 from hybridflow.algorithms import (
+    DistillConfig,
     GlobalBatchInfo,
     PolicyLossConfig,
     PolicyLossInputs,
@@ -35,6 +36,7 @@ from hybridflow.algorithms import (
 from hybridflow.protocol import DataProto
 from hybridflow.utils.rollout_parity import rollout_parity_metrics
 from hybridflow.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+from hybridflow.workers.actor.distill import distill_forward, distilling
 from hybridflow.workers.forward import pad_responses, response_outputs
 from hybridflow.workers.fsdp_utils import grad_norm_and_clip
 from hybridflow.workers.micro_batch import global_batch_info, restore_order, split_micro_batches
@@ -46,7 +48,7 @@ from hybridflow.workers.tensor_parallel import (
 )
 
 # Loss terms whose per-micro-batch values are shares of the mini-batch value: their metric is the sum.
-_SUMMED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss")
+_SUMMED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/distill_loss")
 
 
 def forward_response_logits(model: nn.Module, micro: DataProto, temperature: float) -> torch.Tensor:
@@ -103,6 +105,8 @@ class DataParallelPPOActor:
         self.module = module
         self.optimizer = optimizer
         self.loss_config = policy_loss_config(config) if optimizer is not None else None  # ref: no update
+        # on-policy distillation (the teacher's top-k in the batch): workers/actor/distill.py
+        self.distill_config = DistillConfig.from_config(config.get("distill_loss")) if config else None
         # seq-mean-token-sum-norm's constant divisor: actor.loss_scale_factor, else the configured
         # maximum response length (verl's default, the padded response width).
         scale = config.get("loss_scale_factor") if config is not None else None
@@ -142,9 +146,16 @@ class DataParallelPPOActor:
         # No old_log_probs: the trainer found this update's forward to be the old policy's (one PPO
         # epoch, one mini-batch per step), so they are this forward's own log-probs, detached.
         on_policy = keys.OLD_LOG_PROBS not in micro.batch.keys()
-        log_probs, entropy = response_log_probs(
-            self.module, micro, temperature, entropy_in_loss or on_policy, entropy_grad=entropy_in_loss
-        )
+        distill = self.distill_config if distilling(micro) else None
+        if distill is None:
+            log_probs, entropy = response_log_probs(
+                self.module, micro, temperature, entropy_in_loss or on_policy, entropy_grad=entropy_in_loss
+            )
+        else:  # the same forward also gives the student's logits for the teacher's top-k
+            log_probs, entropy, distill_loss, distill_metrics = distill_forward(
+                self.module, micro, temperature, entropy_in_loss or on_policy, entropy_in_loss, distill, info,
+                cfg.loss_agg_mode,
+            )  # fmt: skip
         mask = micro.batch[keys.RESPONSE_MASK].float()
         inputs = PolicyLossInputs(
             old_log_prob=log_probs.detach() if on_policy else micro.batch[keys.OLD_LOG_PROBS],
@@ -163,6 +174,9 @@ class DataParallelPPOActor:
         pg_loss, metrics = compute_policy_loss(inputs, loss_config)
         loss = pg_loss
         metrics = {k: float(v) for k, v in metrics.items()}
+        if distill is not None:  # pure distillation leaves the policy loss out of the gradient
+            loss = (pg_loss if distill.use_policy_loss else 0.0) + distill_loss
+            metrics.update(distill_metrics)
         metrics["actor/pg_loss"] = float(pg_loss.detach())
         if entropy_in_loss:
             entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode, *info)
