@@ -14,7 +14,6 @@ with the actor's ``loss_agg_mode`` over the whole mini-batch like every other te
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from hybridflow import keys
 from hybridflow.algorithms import DISTILL_LOSSES, DistillConfig, GlobalBatchInfo, agg_loss
@@ -29,9 +28,8 @@ def distilling(micro: DataProto) -> bool:
 
 
 def distill_forward(
-    model: nn.Module,
+    logits: torch.Tensor,
     micro: DataProto,
-    temperature: float,
     with_entropy: bool,
     entropy_grad: bool,
     config: DistillConfig,
@@ -39,10 +37,7 @@ def distill_forward(
     loss_agg_mode: str,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, dict[str, float]]:
     """``(log_probs (b, T_r), entropy (b, T_r) | None, weighted distillation loss (scalar), metrics)``
-    from one forward of ``model`` over ``micro``."""
-    from hybridflow.workers.actor.dp_actor import forward_response_logits  # the actor's own forward
-
-    logits = forward_response_logits(model, micro, temperature)  # (b, T_k, V), T_k <= T_r
+    from ``logits`` (b, T_k, V), T_k <= T_r: the actor's forward over ``micro`` (temperature applied)."""
     kept = logits.shape[1]
     responses = micro.batch[keys.RESPONSES]
     log_probs = pad_responses(logprobs_from_logits(logits, responses[:, :kept]), responses.shape[1])

@@ -153,8 +153,8 @@ class DataParallelPPOActor:
             )
         else:  # the same forward also gives the student's logits for the teacher's top-k
             log_probs, entropy, distill_loss, distill_metrics = distill_forward(
-                self.module, micro, temperature, entropy_in_loss or on_policy, entropy_in_loss, distill, info,
-                cfg.loss_agg_mode,
+                forward_response_logits(self.module, micro, temperature), micro,
+                entropy_in_loss or on_policy, entropy_in_loss, distill, info, cfg.loss_agg_mode,
             )  # fmt: skip
         mask = micro.batch[keys.RESPONSE_MASK].float()
         inputs = PolicyLossInputs(
