@@ -83,6 +83,10 @@ class CustomRewardFunction:
             self._fn = load_custom_reward_function(self.path, self.name)
         return self._fn
 
+    def target(self) -> Callable:
+        """The user's function itself (the reward loop reads whether it is ``async def``)."""
+        return self._load()
+
     def __call__(self, *args, **kwargs):
         return self._load()(*args, **{**self.kwargs, **kwargs})
 

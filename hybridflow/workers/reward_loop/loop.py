@@ -1,0 +1,160 @@
+"""The reward loop: each sample scored on its own, as soon as it is handed in, many at once.
+
+:class:`RewardLoop` wraps a reward-loop manager (``reward_model.reward_manager``, or verl's top-level
+``reward_manager`` section: ``source=register`` by ``name``, or ``source=importlib`` from
+``module.path``/``module.name``) and the reward sources behind it:
+
+- ``custom_reward_function`` (sync or ``async def``; rule, GenRM through ``reward_router_address``, or a
+  hybrid) — it takes precedence over a DisRM, as in verl's ``RewardLoopWorker``;
+- a DisRM (``disrm``, :mod:`.disrm`) when a reward model is enabled without a custom function;
+- the rule scorer of the sample's ``data_source`` otherwise.
+
+Callers: the agent loops await :meth:`score_sample` as each sample finishes (standalone scoring, during
+the rollout), and the trainer's reward phase calls the loop on the whole batch (``loop(data,
+return_dict=True)``, the batch managers' contract): every row becomes one task, scored concurrently on the
+loop's own event-loop thread.
+
+Metrics (:meth:`pop_metrics`): ``reward/<source>/mean`` per source (``rule``, ``genrm``, ``disrm``),
+``reward/judge_latency_p50_s``/``p95_s`` (each answered HTTP request to a served model), ``reward/retries``,
+``reward/failures/<kind>`` (samples scored 0 after a ``timeout`` or an ``error``), ``reward/samples``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import threading
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridflow.protocol import DataProto
+from hybridflow.utils.served_client import CallStats, recording
+from hybridflow.workers.reward_loop.registry import get_reward_manager_cls
+from hybridflow.workers.reward_manager.dapo import cfg_get
+from hybridflow.workers.reward_manager.naive import score_positions
+
+
+def manager_class(config) -> type:
+    """The manager class the config names: verl's top-level ``reward_manager`` section when present
+    (``source: register | importlib``), else ``reward_model.reward_manager`` (default ``naive``)."""
+    section = cfg_get(config, "reward_manager")
+    rm_name = cfg_get(cfg_get(config, "reward_model"), "reward_manager", "naive") or "naive"
+    if section is None or isinstance(section, str):
+        return get_reward_manager_cls(section or rm_name)
+    source = cfg_get(section, "source", "register")
+    if source == "register":
+        return get_reward_manager_cls(cfg_get(section, "name") or rm_name)
+    if source == "importlib":
+        module = cfg_get(section, "module") or {}
+        path, name = cfg_get(module, "path"), cfg_get(module, "name", "custom_reward_manager")
+        if not path:
+            raise ValueError("reward_manager.source=importlib needs reward_manager.module.path")
+        spec = importlib.util.spec_from_file_location(f"hybridflow_reward_manager_{abs(hash(path))}", path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"reward_manager.module.path: cannot import {path}")
+        loaded = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loaded)
+        if not hasattr(loaded, name):
+            raise AttributeError(f"reward_manager.module: {path} has no class {name!r}")
+        return getattr(loaded, name)
+    raise ValueError(f"reward_manager.source={source!r}; choose register or importlib")
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else 0.0
+
+
+class RewardLoop:
+    """Per-sample scoring (module docstring). ``config``: the whole run config; ``tokenizer``: the
+    policy's; ``reward_router_address``/``reward_model_tokenizer``: the served RM's (GenRM), or None;
+    ``disrm``: an object with ``async score(data) -> float`` (a DisRM), or None."""
+
+    def __init__(
+        self, config, tokenizer, reward_router_address=None, reward_model_tokenizer=None, disrm=None
+    ):
+        from hybridflow.workers.reward_manager.custom import _custom_compute_score
+
+        self.config = config
+        custom = _custom_compute_score(cfg_get(config, "custom_reward_function"))
+        self.has_custom = custom is not None
+        self.disrm = None if self.has_custom else disrm  # a custom function takes precedence (verl)
+        self.source = "disrm" if self.disrm is not None else ("genrm" if reward_router_address else "rule")
+        cls = manager_class(config)
+        self.manager = cls(config, tokenizer, custom, reward_router_address, reward_model_tokenizer)
+        self._calls = CallStats()
+        self._scores: dict[str, list[float]] = {}
+        self._failures: Counter = Counter()
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._manager_retries = int(getattr(type(self.manager), "retries", 0) or 0)
+
+    # ------------------------------------------------------------------ one sample
+    async def score_sample(self, data: DataProto) -> dict[str, Any]:
+        """``{"reward_score", "reward_extra_info"}`` for the one row of ``data`` (counted in metrics)."""
+        calls = CallStats()
+        with recording(calls):
+            if self.disrm is not None:
+                score = float(await self.disrm.score(data))
+                result = {"reward_score": score, "reward_extra_info": {"acc": score}}
+            else:
+                result = await self.manager.run_single(data)
+        extras = result.get("reward_extra_info") or {}
+        with self._lock:
+            self._calls.merge(calls)
+            self._scores.setdefault(self.source, []).append(float(result["reward_score"]))
+            for kind in ("timeout", "error"):
+                if extras.get(kind):
+                    self._failures[kind] += 1
+        return result
+
+    # ------------------------------------------------------------------ a batch
+    async def score_batch(self, data: DataProto) -> tuple[torch.Tensor, dict[str, list]]:
+        """``(reward_tensor (B, T_r) float32, extras)``: every row one task, all at once; each score on the
+        row's last generated token."""
+        results = await asyncio.gather(*(self.score_sample(data[i : i + 1]) for i in range(len(data))))
+        reward = torch.zeros(data.batch["responses"].shape, dtype=torch.float32)
+        positions = score_positions(data).tolist()
+        extras: dict[str, list] = {}
+        for row, result in enumerate(results):
+            reward[row, positions[row]] = float(result["reward_score"])
+            for key, value in (result.get("reward_extra_info") or {}).items():
+                extras.setdefault(key, [None] * len(data))[row] = value
+        return reward, extras
+
+    def __call__(self, data: DataProto, return_dict: bool = False):
+        """The batch managers' contract, on the loop's own event-loop thread (safe from any thread)."""
+        if "rm_scores" in data.batch.keys():
+            rm = data.batch["rm_scores"]
+            return {"reward_tensor": rm, "reward_extra_info": {}} if return_dict else rm
+        reward, extras = asyncio.run_coroutine_threadsafe(self.score_batch(data), self._event_loop()).result()
+        return {"reward_tensor": reward, "reward_extra_info": extras} if return_dict else reward
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        """One event loop per RewardLoop, in a daemon thread: the managers' shared limiters and the
+        served-model connections stay bound to it from batch to batch."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="reward-loop", daemon=True).start()
+        return self._loop
+
+    # ------------------------------------------------------------------ metrics
+    def pop_metrics(self) -> dict[str, float]:
+        """What was scored since the last call (module docstring for the names)."""
+        with self._lock:
+            calls, scores, failures = self._calls, self._scores, self._failures
+            self._calls, self._scores, self._failures = CallStats(), {}, Counter()
+        manager_retries = int(getattr(type(self.manager), "retries", 0) or 0)  # the class's running count
+        retries = calls.retries + manager_retries - self._manager_retries
+        self._manager_retries = manager_retries
+        metrics = {f"reward/{source}/mean": float(np.mean(values)) for source, values in scores.items()}
+        metrics["reward/samples"] = float(sum(len(v) for v in scores.values()))
+        metrics["reward/retries"] = float(retries)
+        for kind in ("timeout", "error"):
+            metrics[f"reward/failures/{kind}"] = float(failures.get(kind, 0))
+        if calls.latencies_s:
+            metrics["reward/judge_latency_p50_s"] = percentile(calls.latencies_s, 50)
+            metrics["reward/judge_latency_p95_s"] = percentile(calls.latencies_s, 95)
+        return metrics
