@@ -20,6 +20,7 @@ import os
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from hybridflow.trainer.config.parallelism import role_world_size, tensor_parallel_problems
+from hybridflow.trainer.config.reward_loop_honesty import reward_loop_problems
 
 # dotted key -> (the values whose effect is delivered, why other values are refused / what to do).
 LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
@@ -381,6 +382,7 @@ def honesty_problems(config: DictConfig) -> list[str]:
     problems += _fsdp_problems(config) + _engine_kwargs_problems(config) + _trainer_problems(config)
     problems += _rollout_backend_problems(config) + _server_mode_problems(config)
     problems += tensor_parallel_problems(config)
+    problems += reward_loop_problems(config)
     return problems + _reward_kwargs_problems(config)
 
 
