@@ -158,6 +158,7 @@ def write_ray_timeline(path: str | None) -> None:
 def build_trainer(config: DictConfig, worker_groups=None):
     from hybridflow.models.loading import load_tokenizer
     from hybridflow.trainer.ppo.ray_trainer import RayPPOTrainer
+    from hybridflow.utils.dataset.multimodal import load_processor
     from hybridflow.utils.tracking import Tracking
     from hybridflow.workers.reward_manager import build_reward_manager
 
@@ -166,22 +167,28 @@ def build_trainer(config: DictConfig, worker_groups=None):
         trust_remote_code=bool(config.data.get("trust_remote_code", False)),
         custom_chat_template=config.actor_rollout_ref.model.custom_chat_template,
     )
-    train_loader, val_loader = build_dataloaders(config, tokenizer)
+    processor = load_processor(config.actor_rollout_ref.model.path, tokenizer)  # None: a text-only model
+    train_loader, val_loader = build_dataloaders(config, tokenizer, processor)
     max_resp_len = int(config.data.max_response_length)
-    reward_fn = build_reward_manager(
-        config.reward_model,
-        config.custom_reward_function,
-        tokenizer,
-        num_examine=0,
-        max_resp_len=max_resp_len,
-    )
-    val_reward_fn = build_reward_manager(
-        config.reward_model,
-        config.custom_reward_function,
-        tokenizer,
-        num_examine=1,
-        max_resp_len=max_resp_len,
-    )
+    if config.reward_model.get("use_reward_loop", False):  # verl's reward loop: each sample on its own
+        from hybridflow.workers.reward_loop import RewardLoop
+
+        reward_fn, val_reward_fn = RewardLoop(config, tokenizer), RewardLoop(config, tokenizer)
+    else:
+        reward_fn = build_reward_manager(
+            config.reward_model,
+            config.custom_reward_function,
+            tokenizer,
+            num_examine=0,
+            max_resp_len=max_resp_len,
+        )
+        val_reward_fn = build_reward_manager(
+            config.reward_model,
+            config.custom_reward_function,
+            tokenizer,
+            num_examine=1,
+            max_resp_len=max_resp_len,
+        )
     tracker = Tracking(
         project_name=config.trainer.project_name,
         experiment_name=config.trainer.experiment_name,
@@ -189,7 +196,12 @@ def build_trainer(config: DictConfig, worker_groups=None):
         config=OmegaConf.to_container(config, resolve=True),
         log_dir=log_dir(config),
     )
-    return RayPPOTrainer(
+    trainer_cls, extra = RayPPOTrainer, {}
+    if config.actor_rollout_ref.get("teacher", {}).get("server_ip") is not None:  # on-policy distillation
+        from hybridflow.trainer.distill import OnPolicyDistillTrainer, connect_teacher
+
+        trainer_cls, extra = OnPolicyDistillTrainer, {"teacher": connect_teacher(config, tokenizer)}
+    return trainer_cls(
         config,
         tokenizer,
         train_loader,
@@ -198,6 +210,7 @@ def build_trainer(config: DictConfig, worker_groups=None):
         val_reward_fn,
         tracker=tracker,
         worker_groups=worker_groups,
+        **extra,
     )
 
 
@@ -205,15 +218,22 @@ def log_dir(config: DictConfig) -> str:
     return os.path.join("outputs", config.trainer.project_name, config.trainer.experiment_name)
 
 
-def build_dataloaders(config: DictConfig, tokenizer):
+def build_dataloaders(config: DictConfig, tokenizer, processor=None):
+    """Train and validation loaders; ``processor``: a vision-language model's (image rows)."""
     from hybridflow.utils.dataset import RLHFDataset, StatefulDataLoader, collate_fn
+    from hybridflow.utils.dataset.multimodal import check_image_limit
 
     data = config.data
     if config.actor_rollout_ref.rollout.get("mode") == "async":  # agent loops read the messages
         data = OmegaConf.merge(data, {"return_raw_chat": True})
     dataset_cls = dataset_class(data.get("custom_cls")) or RLHFDataset
-    train = dataset_cls(data_files=list(_as_list(data.train_files)), tokenizer=tokenizer, config=data)
-    val = dataset_cls(data_files=list(_as_list(data.val_files)), tokenizer=tokenizer, config=data)
+    extra = {"processor": processor} if processor is not None else {}
+    train = dataset_cls(
+        data_files=list(_as_list(data.train_files)), tokenizer=tokenizer, config=data, **extra
+    )
+    val = dataset_cls(data_files=list(_as_list(data.val_files)), tokenizer=tokenizer, config=data, **extra)
+    for dataset in (train, val):
+        check_image_limit(dataset, config.actor_rollout_ref.rollout.get("limit_images"))
     train_loader = StatefulDataLoader(
         train,
         batch_size=int(data.train_batch_size),

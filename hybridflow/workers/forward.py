@@ -33,6 +33,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.workers.lora import unwrap_peft
 from hybridflow.workers.packed_rows import gather_packed_outputs, plan_packed_rows
 from hybridflow.workers.shared_prefix import PackedBatch, gather_response_outputs, plan_packing
+from hybridflow.workers.vision_forward import has_images, vision_response_outputs
 
 
 def attended_span(attention_mask: torch.Tensor, prompt_len: int) -> tuple[int, int]:
@@ -64,6 +65,8 @@ def response_outputs(model: nn.Module, micro: DataProto) -> torch.Tensor:
     block mask (which computes at least as many) would not either, so it is not planned."""
     prompt_len = micro.batch[keys.INPUT_IDS].shape[1] - micro.batch[keys.RESPONSES].shape[1]
     first, end = attended_span(micro.batch[keys.ATTENTION_MASK], prompt_len)
+    if has_images(micro):  # image rows: M-RoPE positions, images encoded in the forward (padded layout)
+        return vision_response_outputs(model, micro, first, end, prompt_len)
     config = unwrap_peft(model).config
     if getattr(config, "_attn_implementation", None) == CPU_ATTENTION:
         rows = plan_packed_rows(micro, end - first)

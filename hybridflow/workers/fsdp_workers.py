@@ -239,7 +239,11 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         )
         if self._is_actor:
             self.actor_parts = build_training_parts(
-                cfg.model, cfg.actor.fsdp_config, cfg.actor.optim, self.mesh(self.actor_tp)
+                cfg.model,
+                cfg.actor.fsdp_config,
+                cfg.actor.optim,
+                self.mesh(self.actor_tp),
+                freeze_vision=bool(cfg.actor.get("freeze_vision_tower", False)),
             )
             self.actor_module = self.actor_parts.module
             self.actor = DataParallelPPOActor(

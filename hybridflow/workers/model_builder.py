@@ -33,6 +33,14 @@ AUTO_CLASSES = {
     "token_value": "AutoModelForTokenClassification",  # critic: one value per token
     "sequence_score": "AutoModelForSequenceClassification",  # reward model: one score per sequence
 }
+# A vision-language model (its config has ``vision_config``: Qwen2-VL, Qwen2.5-VL) as a policy.
+VISION_LM_AUTO_CLASS = "AutoModelForImageTextToText"
+# LoRA on a vision-language model: the language model's linears only (peft's exclude_modules regex).
+VISION_TOWER_MODULES = r".*\bvisual\b.*"
+
+
+def is_vision_language(config) -> bool:
+    return getattr(config, "vision_config", None) is not None
 
 
 def resolve_local_path(path: str) -> str:
@@ -74,7 +82,13 @@ def load_hf_model(model_cfg, kind: str, dtype: torch.dtype, seed: int = 0) -> nn
     extra = {"num_labels": 1} if kind != "causal_lm" else {}
     for key, value in extra.items():
         setattr(config, key, value)
-    auto_cls = getattr(transformers, AUTO_CLASSES[kind])
+    if is_vision_language(config) and kind != "causal_lm":
+        raise NotImplementedError(
+            f"{path} is a vision-language model ({config.model_type}); a {kind} head on it (critic, reward "
+            "model) is not built: train it with GRPO (algorithm.adv_estimator=grpo, no critic)"
+        )
+    auto_name = VISION_LM_AUTO_CLASS if is_vision_language(config) else AUTO_CLASSES[kind]
+    auto_cls = getattr(transformers, auto_name)
     attention = {}
     if device_type() == "cpu" and "attn_implementation" not in (model_cfg.get("override_config") or {}):
         # short-sequence attention without SDPA's slow CPU kernel (hybridflow/models/attention.py)
@@ -99,21 +113,23 @@ def load_hf_model(model_cfg, kind: str, dtype: torch.dtype, seed: int = 0) -> nn
 
 
 def build_fsdp_module(
-    model_cfg, fsdp_cfg, mesh, kind: str = "causal_lm", trainable: bool = True
+    model_cfg, fsdp_cfg, mesh, kind: str = "causal_lm", trainable: bool = True, freeze_vision: bool = False
 ) -> nn.Module:
     """Load and shard one model; frozen (no grad) unless ``trainable``. A trainable causal LM with
     ``model_cfg.lora_rank > 0`` trains only its LoRA adapter. On a 2-D ``(dp, tp)`` mesh the model is
     first split tensor-parallel over ``tp`` (:mod:`hybridflow.workers.tensor_parallel`), then FSDP2
-    shards it over ``dp``."""
+    shards it over ``dp``. ``freeze_vision``: no gradient for a vision-language model's vision tower."""
     dtype = to_dtype(fsdp_cfg.get("model_dtype", "fp32"))
     model = load_hf_model(model_cfg, kind, dtype)
     if trainable and model_cfg.get("enable_gradient_checkpointing", False):
         enable_gradient_checkpointing(model)
     tensor_parallel = is_tensor_parallel_mesh(mesh)
+    if trainable and freeze_vision:  # verl's actor.freeze_vision_tower
+        freeze_vision_tower(model)
     if trainable and kind == "causal_lm" and lora_enabled(model_cfg):
         if tensor_parallel:
             raise ValueError("LoRA (model.lora_rank > 0) with tensor parallelism is not supported")
-        model = apply_lora(model, model_cfg)
+        model = apply_lora(model, _lm_only_lora(model_cfg) if is_vision_language(model.config) else model_cfg)
     if not trainable:
         model.requires_grad_(False)
     if tensor_parallel:
@@ -121,7 +137,31 @@ def build_fsdp_module(
     return apply_fsdp2(model, mesh, fsdp_cfg)
 
 
-def build_training_parts(model_cfg, fsdp_cfg, optim_cfg, mesh, kind: str = "causal_lm") -> TrainingParts:
-    module = build_fsdp_module(model_cfg, fsdp_cfg, mesh, kind, trainable=True)
+def freeze_vision_tower(model: nn.Module) -> None:
+    """No gradient for the vision tower (``model.visual``); raises for a model without one."""
+    visual = getattr(getattr(model, "model", model), "visual", None)
+    if visual is None:
+        raise ValueError(
+            "actor_rollout_ref.actor.freeze_vision_tower=true but the model has no vision tower "
+            f"(model_type={model.config.model_type!r})"
+        )
+    visual.requires_grad_(False)
+
+
+def _lm_only_lora(model_cfg):
+    """The model section with the vision tower excluded from LoRA (unless exclude_modules is set)."""
+    from omegaconf import OmegaConf
+
+    if model_cfg.get("exclude_modules"):
+        return model_cfg
+    section = OmegaConf.create(OmegaConf.to_container(model_cfg, resolve=True))
+    section.exclude_modules = VISION_TOWER_MODULES
+    return section
+
+
+def build_training_parts(
+    model_cfg, fsdp_cfg, optim_cfg, mesh, kind: str = "causal_lm", freeze_vision: bool = False
+) -> TrainingParts:
+    module = build_fsdp_module(model_cfg, fsdp_cfg, mesh, kind, trainable=True, freeze_vision=freeze_vision)
     optimizer = build_optimizer([p for p in module.parameters() if p.requires_grad], optim_cfg)
     return TrainingParts(module, optimizer, build_lr_scheduler(optimizer, optim_cfg))

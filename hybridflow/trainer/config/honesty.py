@@ -21,6 +21,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from hybridflow.trainer.config.parallelism import role_world_size, tensor_parallel_problems
 from hybridflow.trainer.config.reward_loop_honesty import reward_loop_problems
+from hybridflow.trainer.config.vision_honesty import vision_problems
 
 # dotted key -> (the values whose effect is delivered, why other values are refused / what to do).
 LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
@@ -381,7 +382,7 @@ def honesty_problems(config: DictConfig) -> list[str]:
         problems += _checkpoint_problems(config, section)
     problems += _fsdp_problems(config) + _engine_kwargs_problems(config) + _trainer_problems(config)
     problems += _rollout_backend_problems(config) + _server_mode_problems(config)
-    problems += tensor_parallel_problems(config)
+    problems += tensor_parallel_problems(config) + vision_problems(config)
     problems += reward_loop_problems(config)
     return problems + _reward_kwargs_problems(config)
 

@@ -46,7 +46,8 @@ def rollout_input(
     if all_fields:
         fields = list(prompts.non_tensor_batch)
     else:
-        fields = [key for key in ("tools_kwargs", "index") if key in prompts.non_tensor_batch]
+        wanted = ("tools_kwargs", "index", keys.MULTI_MODAL_INPUTS)  # and image rows' pixels and grids
+        fields = [key for key in wanted if key in prompts.non_tensor_batch]
     gen_input = prompts.select(batch_keys=PROMPT_INPUT_KEYS, non_tensor_batch_keys=fields, meta_info_keys=[])
     gen_input.meta_info = dict(meta_info)
     return prompts, gen_input

@@ -11,8 +11,9 @@ Each parquet row holds ``data_source``, ``prompt`` (a list of ``{"role", "conten
     full_prompts    str           the templated prompt (only with data.return_full_prompt)
     index, tools_kwargs, interaction_kwargs, and every other parquet column (data_source, ...)
 
-Config keys follow verl's ``data.*`` section; ``cache_dir`` is accepted and ignored (files are local). A file
-with an ``image_key`` / ``video_key`` column is an error: multimodal data is not supported.
+Config keys follow verl's ``data.*`` section; ``cache_dir`` is accepted and ignored (files are local).
+Image rows (an ``image_key`` column, read with the model's processor) add ``multi_modal_data`` and
+``multi_modal_inputs`` (:mod:`hybridflow.utils.dataset.multimodal`); a ``video_key`` column is refused.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from hybridflow.utils.dataset.multimodal import ImageRows
+
 logger = logging.getLogger(__name__)
 
 DEFAULTS: dict[str, Any] = {
@@ -40,6 +43,7 @@ DEFAULTS: dict[str, Any] = {
     "reward_fn_key": "data_source",
     "image_key": "images",
     "video_key": "videos",
+    "return_multi_modal_inputs": True,
     "cache_dir": None,
 }
 
@@ -109,8 +113,6 @@ class RLHFDataset(Dataset):
     def __init__(
         self, data_files: str | Path | list, tokenizer, config: Mapping | None = None, processor=None
     ):
-        if processor is not None:
-            raise NotImplementedError("RLHFDataset: multimodal processors are not supported")
         is_list = isinstance(data_files, (list, tuple)) or _is_list_config(data_files)
         self.data_files = [str(f) for f in (data_files if is_list else [data_files])]
         self.tokenizer = tokenizer
@@ -123,6 +125,7 @@ class RLHFDataset(Dataset):
         self.return_full_prompt = bool(cfg["return_full_prompt"])
         self.reward_fn_key: str = cfg["reward_fn_key"]
         self.multimodal_keys = (cfg["image_key"], cfg["video_key"])
+        self.images = ImageRows(processor, cfg["image_key"], bool(cfg["return_multi_modal_inputs"]))
         if self.truncation not in TRUNCATIONS:
             raise ValueError(f"data.truncation={self.truncation!r}; choose one of {list(TRUNCATIONS)}")
         if tokenizer.pad_token_id is None:
@@ -148,14 +151,10 @@ class RLHFDataset(Dataset):
                 raise ValueError(
                     f"RLHFDataset: {path} has no required column {column!r} (columns: {table.column_names})"
                 )
-        for column in self.multimodal_keys:  # verl would feed these to a processor; never drop them silently
-            if column in table.column_names:
-                raise NotImplementedError(
-                    f"RLHFDataset: {path} has a {column!r} column (data.image_key / data.video_key): "
-                    "multimodal data is not supported; drop the column to train on the text alone"
-                )
+        self.images.check_columns(path, table.column_names, self.multimodal_keys[1])
         for row_number, row in enumerate(table.to_pylist()):
             _check_messages(row[self.prompt_key], f"{path} row {row_number} column {self.prompt_key!r}")
+            self.images.check_row(row, row[self.prompt_key], f"RLHFDataset: {path} row {row_number}")
             self.rows.append(row)
             self.origins.append((path, row_number))
 
@@ -165,11 +164,20 @@ class RLHFDataset(Dataset):
         lengths = [
             len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         ]  # one batch
+        for i, row in enumerate(self.rows):  # image rows: their length after the image tokens' expansion
+            if self.images.has_images(row):
+                lengths[i] = self.images.prompt_length(row, row[self.prompt_key], self._where(i))
         keep = [i for i, n in enumerate(lengths) if n <= limit]
         dropped = len(self.rows) - len(keep)
+        named = [f"{self._where(i)[len('RLHFDataset: '):]} ({n})" for i, n in enumerate(lengths) if n > limit]
         logger.info(
-            "RLHFDataset: filtered %d of %d prompts longer than %d tokens", dropped, len(self.rows), limit
+            "RLHFDataset: filtered %d of %d prompts longer than %d tokens%s",
+            dropped,
+            len(self.rows),
+            limit,
+            f": {', '.join(named[:5])}{' ...' if len(named) > 5 else ''}" if named else "",
         )
+        self.filtered_overlong = dropped
         self.global_index = keep
         self.rows = [self.rows[i] for i in keep]
         self.origins = [self.origins[i] for i in keep]
@@ -177,7 +185,13 @@ class RLHFDataset(Dataset):
     def __len__(self) -> int:
         return len(self.rows)
 
+    def _where(self, item: int) -> str:
+        path, row_number = self.origins[item]
+        return f"RLHFDataset: {path} row {row_number}"
+
     def _prompt_text(self, row: dict) -> str:
+        if self.images.processor is not None:  # the processor's template (typed content for <image>)
+            return self.images.processor.template(row[self.prompt_key])
         return self.tokenizer.apply_chat_template(
             row[self.prompt_key], add_generation_prompt=True, tokenize=False
         )
@@ -202,9 +216,15 @@ class RLHFDataset(Dataset):
 
     def __getitem__(self, item: int) -> dict:
         row = self.rows[item]
-        text, ids = self._prompt_ids(row)
-        ids = self._truncate(ids, item)
-        out = {k: copy.deepcopy(v) for k, v in row.items() if k != self.prompt_key}
+        vision = self.images.encode(row, row[self.prompt_key], self._where(item))
+        text, ids = self._prompt_ids(row) if vision is None else (vision.text, vision.ids)
+        if vision is not None and vision.images:
+            self.images.check_length(len(ids), self.max_prompt_length, self._where(item))
+        else:
+            ids = self._truncate(ids, item)
+        skipped = (self.prompt_key, self.images.image_key)
+        out = {k: copy.deepcopy(v) for k, v in row.items() if k not in skipped}
+        out.update(self.images.fields(vision))
         out.update(_left_pad(ids, self.max_prompt_length, self.tokenizer.pad_token_id))
         out["raw_prompt_ids"] = ids
         if self.return_raw_chat:

@@ -20,6 +20,7 @@ from torch import nn
 
 from hybridflow import keys
 from hybridflow.protocol import DataProto
+from hybridflow.workers import vision_forward
 from hybridflow.workers.fsdp_utils import gathered_for_inference
 from hybridflow.workers.lora import unwrap_peft
 from hybridflow.workers.rollout.base import (
@@ -51,22 +52,41 @@ class HFRollout(BaseRollout):
         self.module.eval()
         with gathered_for_inference(self.module):
             parts = [self._generate(p, params, eos_ids, pad_id) for p in prompts.split(chunk)]
-        responses = torch.cat(parts)
-        return assemble_output(prompts, responses, eos_ids, pad_id)
+        responses = torch.cat([r for r, _ in parts])
+        log_probs = torch.cat([lp for _, lp in parts]) if parts[0][1] is not None else None
+        return assemble_output(prompts, responses, eos_ids, pad_id, rollout_log_probs=log_probs)
 
-    def _generate(self, prompts: DataProto, params: dict, eos_ids: list[int], pad_id: int) -> torch.Tensor:
+    def _generate(
+        self, prompts: DataProto, params: dict, eos_ids: list[int], pad_id: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(responses (b, T_r), rollout log-probs (b, T_r) | None)``; log-probs for image prompts
+        (:mod:`hybridflow.workers.vision_forward`) with ``calculate_log_probs``."""
         input_ids = prompts.batch[keys.INPUT_IDS]
         response_length = int(self.config.response_length)
         stop_ids = None if self.config.get("ignore_eos") else eos_ids
         config = generation_config(params, response_length, stop_ids, pad_id)
+        images = vision_forward.has_images(prompts)
+        extra = vision_forward.generate_kwargs(self.module, prompts) if images else {}
+        with_log_probs = images and bool(self.config.get("calculate_log_probs", False))
+        if images:
+            model_config = vision_forward.vision_config(self.module)
+            config.suppress_tokens = vision_forward.vision_token_ids(model_config)
+            config.return_dict_in_generate = config.output_logits = with_log_probs
         with model_defaults_cleared(self.module):
             output = self.module.generate(
                 input_ids=input_ids,
                 attention_mask=prompts.batch[keys.ATTENTION_MASK],
                 generation_config=config,
+                **extra,
             )
-        generated = output[:, input_ids.shape[1] :]
-        return F.pad(generated, (0, response_length - generated.shape[1]), value=pad_id)
+        sequences = output.sequences if with_log_probs else output
+        generated = sequences[:, input_ids.shape[1] :]
+        log_probs = None
+        if with_log_probs:
+            temperature = params.get("temperature", 1.0) if params["do_sample"] else 1.0
+            log_probs = vision_forward.sampled_log_probs(output.logits, generated, temperature, model_config)
+            log_probs = F.pad(log_probs, (0, response_length - log_probs.shape[1]))
+        return F.pad(generated, (0, response_length - generated.shape[1]), value=pad_id), log_probs
 
 
 def generation_config(params: dict, max_new_tokens: int, eos_ids: list[int] | None, pad_id: int):

@@ -405,6 +405,8 @@ SHOWN = {
     R + "multi_turn.tool_config_path": "tests/workers/rollout/test_engine_rollout.py",
     R + "multi_turn.format": "tests/workers/rollout/tools/test_parser_registry.py",
     "async_training.partial_rollout": E2E + "test_stale_partial_rollouts_with_token_is",
+    # image rows (a vision-language model: refused with rollout.mode=async, vision_honesty.py)
+    R + "limit_images": "tests/vlm/test_vlm_data.py::test_per_image_pixel_bounds_and_limit_images",
 }
 # keys of the schema that are no settings (hydra targets, YAML-only sections)
 NOT_SETTINGS = {ALGO + "_target_", ALGO + "kl_ctrl._target_"}

