@@ -83,6 +83,7 @@ MODULE_TABLE: dict[str, str | tuple[str, ...]] = {
     "verl.utils.reward_score": "hybridflow.utils.reward_score",
     "verl.utils.reward_score.gsm8k": "hybridflow.utils.reward_score.gsm8k",
     "verl.utils.reward_score.math_reward": "hybridflow.utils.reward_score.math_reward",
+    "verl.utils.rollout_trace": "hybridflow.utils.rollout_trace",
     "verl.utils.seqlen_balancing": "hybridflow.utils.seqlen_balancing",
     "verl.utils.tensordict_utils": "hybridflow.utils.tensordict_utils",
     "verl.utils.torch_functional": "hybridflow.utils.torch_functional",

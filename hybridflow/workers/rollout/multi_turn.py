@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from hybridflow.utils.rollout_trace import rollout_trace_op
 from hybridflow.workers.rollout.engine import LLMEngine, SamplingParams
 from hybridflow.workers.rollout.tools.base_tool import BaseTool
 from hybridflow.workers.rollout.tools.parser import ToolCall, ToolCallParser, short_repr
@@ -271,6 +272,7 @@ class _ToolSession:
     def _kwargs(self, name: str, stage: str) -> dict:
         return dict((self.tools_kwargs.get(name) or {}).get(f"{stage}_kwargs") or {})
 
+    @rollout_trace_op
     async def call(self, call: ToolCall) -> tuple[str, bool]:
         """(response text, succeeded). A call fails when the tool is unknown, arguments are missing, the
         tool raises or returns something malformed, or its metrics carry an ``"error"``."""

@@ -52,6 +52,11 @@ class AgentLoopManager:
         server_cls = ray.remote(num_cpus=0, max_concurrency=100_000)(LLMServer)
         self.servers = [server_cls.remote(name) for name in self.server_names]
         container = OmegaConf.to_container(config, resolve=True)
+        self.tracing = bool((container["actor_rollout_ref"]["rollout"].get("trace") or {}).get("backend"))
+        if self.tracing:  # the workers' working directory is not the driver's: an absolute path
+            from hybridflow.utils.rollout_trace import trace_dir
+
+            container["actor_rollout_ref"]["rollout"]["trace"]["dir"] = trace_dir(config)
         worker_cls = ray.remote(num_cpus=0, max_concurrency=100_000)(AgentLoopWorker)
         env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
         verl_compat = sys.modules.get("hybridflow.verl_compat")
@@ -67,6 +72,11 @@ class AgentLoopManager:
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Prompt rows (repeated ``n`` times, with their dataset fields) → the rollout batch."""
         start = time.perf_counter()
+        if self.tracing:  # each row's number in its group, counted before a group is split over workers
+            from hybridflow.utils.rollout_trace import rollout_numbers
+
+            numbers = rollout_numbers(prompts.non_tensor_batch.get(keys.UID), len(prompts))
+            prompts.non_tensor_batch["rollout_n"] = np.array(numbers, dtype=np.int64)
         sync_metrics, serve_refs = self.start_serving(rows=len(prompts))
         chunks = prompts.split(_even_sizes(len(prompts), len(self.workers)))
         refs = [w.generate_sequences.remote(c) for w, c in zip(self.workers, chunks, strict=True) if len(c)]

@@ -17,6 +17,7 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
+from hybridflow.utils.rollout_trace import rollout_trace_op
 from hybridflow.workers.rollout.replica import ReplicaError, TokenOutput
 
 
@@ -54,6 +55,7 @@ class AsyncLLMServerManager:
             self._sticky.popitem(last=False)
         return index
 
+    @rollout_trace_op
     async def generate(
         self,
         request_id: str,

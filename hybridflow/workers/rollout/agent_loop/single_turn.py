@@ -17,6 +17,7 @@ import time
 import uuid
 from typing import Any
 
+from hybridflow.utils.rollout_trace import rollout_trace_op
 from hybridflow.workers.rollout.agent_loop.base import (
     AgentLoopBase,
     AgentLoopMetrics,
@@ -77,6 +78,7 @@ class SingleTurnAgentLoop(AgentLoopBase):
         super().__init__(*args, **kwargs)
         self.response_length = int(self.config.actor_rollout_ref.rollout.response_length)
 
+    @rollout_trace_op
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
         partial: AgentLoopOutput | None = kwargs.get("partial_output")
         if partial is not None:

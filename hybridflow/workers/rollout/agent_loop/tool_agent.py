@@ -26,6 +26,7 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
+from hybridflow.utils.rollout_trace import rollout_trace_op
 from hybridflow.workers.rollout.agent_loop.base import (
     AgentLoopBase,
     AgentLoopMetrics,
@@ -99,6 +100,7 @@ class ToolAgentLoop(AgentLoopBase):
         self.rollout_config = self.config.actor_rollout_ref.rollout
         self.eos_token_ids = list(eos_token_ids or [self.tokenizer.eos_token_id])
 
+    @rollout_trace_op
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
         from hybridflow.workers.rollout.multi_turn import MultiTurnLimits
         from hybridflow.workers.rollout.multi_turn import ToolAgentLoop as Conversations

@@ -25,6 +25,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from hybridflow import keys
 from hybridflow.protocol import DataProto
+from hybridflow.utils.rollout_trace import (
+    RolloutTraceConfig,
+    record_event,
+    rollout_numbers,
+    rollout_trace_attr,
+    to_jsonable,
+    trace_dir,
+)
 from hybridflow.workers.reward_manager.timeouts import stuck_scorers
 from hybridflow.workers.rollout.agent_loop import single_turn, tool_agent  # noqa: F401  (register built-ins)
 from hybridflow.workers.rollout.agent_loop.base import (
@@ -91,6 +99,22 @@ class AgentLoopWorker:
         self.default_agent_loop = default_agent_loop(rollout)
         self.reward_fn = self._reward_fn()
         self._scoring = ThreadPoolExecutor(SCORING_THREADS, thread_name_prefix="agent-loop-scoring")
+        self._init_trace()
+
+    def _init_trace(self) -> None:
+        """``rollout.trace``: this process's trace writer (nothing when no backend is set)."""
+        trace = self.config.actor_rollout_ref.rollout.get("trace") or {}
+        if not trace.get("backend"):
+            return
+        RolloutTraceConfig.init(
+            self.config.trainer.project_name,
+            self.config.trainer.experiment_name,
+            str(trace.backend),
+            bool(trace.get("token2text", False)),
+            trace.get("max_samples_per_step_per_worker"),
+            directory=trace_dir(self.config),
+            tokenizer=self.tokenizer,
+        )
 
     def _reward_fn(self):
         """The run's reward manager, scoring in the loop; None when a reward model scores (the trainer
@@ -123,11 +147,16 @@ class AgentLoopWorker:
         )
         seeds = self._seeds(batch, params)
         partials = meta.get("partial_outputs") or {}  # row -> its output so far (a resumed chunk)
+        traces = self._trace_plan(batch)
         tasks = [
-            asyncio.create_task(self._run_row(batch, row, names[row], params, seeds[row], partials.get(row)))
+            asyncio.create_task(
+                self._run_row(batch, row, names[row], params, seeds[row], partials.get(row), traces[row])
+            )
             for row in range(rows)
         ]
         results = await asyncio.gather(*tasks)
+        if RolloutTraceConfig.get_backend() is not None:  # the chunk's trace written before it returns
+            await asyncio.get_running_loop().run_in_executor(None, RolloutTraceConfig.flush)
         outputs = [output for output, _ in results]
         scores = [score for _, score in results]
         return self._assemble(batch, outputs, scores)
@@ -154,7 +183,44 @@ class AgentLoopWorker:
             streams.append({"seed": seed, "seed_sample": sample})
         return streams
 
-    async def _run_row(self, batch: DataProto, row: int, name: str, params: dict, seed, partial):
+    def _trace_plan(self, batch: DataProto) -> list[dict]:
+        """Each row's :func:`rollout_trace_attr` arguments: its step, dataset index, number within its
+        group, and whether it is traced (``max_samples_per_step_per_worker`` draws whole groups)."""
+        rows, meta = len(batch), batch.meta_info
+        if RolloutTraceConfig.get_backend() is None:
+            return [{"trace": False}] * rows
+        columns = batch.non_tensor_batch
+        index = columns.get("index")
+        index = [to_jsonable(i) for i in index] if index is not None else list(range(rows))
+        step, validate = int(meta.get("global_steps", -1)), bool(meta.get("validate", False))
+        numbers = columns.get("rollout_n")  # the manager's, over the whole batch (a group may span chunks)
+        numbers = numbers if numbers is not None else rollout_numbers(columns.get(keys.UID, index), rows)
+        traced = RolloutTraceConfig.get_instance().traced_rows(index, step, validate)
+        return [
+            {
+                "sample_index": index[row],
+                "step": step,
+                "rollout_n": int(numbers[row]),
+                "validate": validate,
+                "name": "agent_loop",
+                "trace": row in traced,
+            }
+            for row in range(rows)
+        ]
+
+    async def _run_row(self, batch: DataProto, row: int, name: str, params: dict, seed, partial, trace: dict):
+        """One sample, in its trace (every traced call inside is recorded as this sample's)."""
+        with rollout_trace_attr(**trace):
+            output, score = await self._run_sample(batch, row, name, params, seed, partial)
+            if score is not None:
+                record_event(
+                    "reward", "AgentLoopWorker.reward", output={"score": float(score[0].sum()), **score[1]}
+                )
+            elif output.reward_score is not None:
+                record_event("reward", "AgentLoopOutput.reward_score", output={"score": output.reward_score})
+            return output, score
+
+    async def _run_sample(self, batch: DataProto, row: int, name: str, params: dict, seed, partial):
         fields = {key: value[row] for key, value in batch.non_tensor_batch.items()}
         sample_params = dict(params) if seed is None else {**params, **seed}
         uid = fields.get(keys.UID)
