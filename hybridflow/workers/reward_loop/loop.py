@@ -82,6 +82,10 @@ class RewardLoop:
         self.has_custom = custom is not None
         self.disrm = None if self.has_custom else disrm  # a custom function takes precedence (verl)
         self.source = "disrm" if self.disrm is not None else ("genrm" if reward_router_address else "rule")
+        if reward_router_address is None:  # a judge served apart, its address in reward_kwargs
+            kwargs = cfg_get(cfg_get(config, "reward_model"), "reward_kwargs") or {}
+            reward_router_address = cfg_get(kwargs, "reward_router_address")
+            self.source = "genrm" if reward_router_address and self.disrm is None else self.source
         cls = manager_class(config)
         self.manager = cls(config, tokenizer, custom, reward_router_address, reward_model_tokenizer)
         self._calls = CallStats()
@@ -158,3 +162,24 @@ class RewardLoop:
             metrics["reward/judge_latency_p50_s"] = percentile(calls.latencies_s, 50)
             metrics["reward/judge_latency_p95_s"] = percentile(calls.latencies_s, 95)
         return metrics
+
+
+def merge_worker_metrics(
+    per_worker: list[dict[str, float]], clocks: list[dict[str, float]]
+) -> dict[str, float]:
+    """The reward-loop metrics of several agent-loop workers as one: counts summed, means and latencies
+    averaged over the workers that report them; ``reward/exposed_s``: seconds from the last sample's
+    generation end to the last score (the scoring left after the rollout), from each worker's wall clock."""
+    merged: dict[str, list[float]] = {}
+    for metrics in per_worker:
+        for key, value in metrics.items():
+            merged.setdefault(key, []).append(float(value))
+    out = {}
+    for key, values in merged.items():
+        summed = key in ("reward/samples", "reward/retries") or key.startswith("reward/failures/")
+        out[key] = float(np.sum(values)) if summed else float(np.mean(values))
+    generated = max((c.get("generated", 0.0) for c in clocks), default=0.0)
+    scored = max((c.get("scored", 0.0) for c in clocks), default=0.0)
+    if scored > 0:
+        out["reward/exposed_s"] = max(scored - generated, 0.0)
+    return out

@@ -1,0 +1,83 @@
+"""main_ppo with reward_model.use_reward_loop=true, a GenRM judge served by ``python -m hybridflow.serve``
+and an async custom reward function: 3 GRPO steps scored after the rollout (colocated: the trainer's
+reward phase) and as each sample finishes (standalone: in the agent loops), the same scores for the same
+samples, every sample judged by the server."""
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+from omegaconf import OmegaConf
+
+from hybridflow.trainer.config import load_config
+from hybridflow.trainer.main_ppo import run_ppo
+from hybridflow.trainer.ppo.workers_setup import build_worker_groups
+from tests.serve.support import start_server
+from tests.tiny_run import as_overrides, tiny_run_values
+
+JUDGE = str(Path(__file__).with_name("genrm_judge.py"))
+
+
+@pytest.fixture(scope="module")
+def judge(tiny_model_dir):
+    process, url = start_server(tiny_model_dir, "--served-model-name", "judge")
+    yield url
+    process.kill()
+    process.wait()
+
+
+def _config(model_dir, data, tmp: Path, name: str, judge_url: str, in_loop: bool):
+    values = tiny_run_values(
+        model_dir,
+        data,
+        tmp / "ckpt",
+        **{
+            "trainer.experiment_name": name,
+            "trainer.resume_mode": "disable",
+            "trainer.total_training_steps": 3,
+            "trainer.rollout_data_dir": str(tmp / "rollouts" / name),
+            "actor_rollout_ref.rollout.mode": "async",
+            "actor_rollout_ref.rollout.agent.reward_in_loop": in_loop,
+            "reward_model.use_reward_loop": True,
+            "reward_model.reward_manager": "limited",
+            "reward_model.max_concurrent": 4,
+            "+reward_model.reward_kwargs.reward_router_address": judge_url.removeprefix("http://"),
+            "+reward_model.reward_kwargs.judge_model": "judge",
+            "custom_reward_function.path": JUDGE,
+        },
+    )
+    config = load_config(as_overrides(values))
+    OmegaConf.resolve(config)
+    return config
+
+
+def test_three_grpo_steps_colocated_and_standalone(
+    ray_session, tiny_model_dir, arithmetic_data, judge, tmp_path
+):
+    config = _config(tiny_model_dir, arithmetic_data, tmp_path, "wg", judge, False)
+    groups = build_worker_groups(config, use_critic=False, use_reference=False)
+    records, rollouts = {}, {}
+    try:
+        for mode, in_loop in (("colocated", False), ("standalone", True)):
+            config = _config(tiny_model_dir, arithmetic_data, tmp_path, mode, judge, in_loop)
+            before = httpx.get(f"{judge}/stats").json()
+            with pytest.MonkeyPatch.context() as patch:
+                patch.chdir(tmp_path)
+                run_ppo(config, worker_groups=groups)
+            judged = httpx.get(f"{judge}/stats").json()
+            metrics = tmp_path / "outputs" / "hybridflow" / mode / "metrics.jsonl"
+            records[mode] = {r["step"]: r for r in map(json.loads, metrics.read_text().splitlines())}
+            lines = (tmp_path / "rollouts" / mode / "1.jsonl").read_text().splitlines()
+            rollouts[mode] = sorted((r["input"], r["output"], r["score"]) for r in map(json.loads, lines))
+            judged_tokens = judged["generated_tokens"] - before["generated_tokens"]
+            assert judged_tokens >= 3 * 8  # every sample of 3 steps x 8 got a verdict (>= 1 token each)
+    finally:
+        groups.shutdown()
+    assert rollouts["colocated"] == rollouts["standalone"]  # same samples, same scores
+    for mode, steps in records.items():
+        assert sorted(steps) == [1, 2, 3], mode
+        for step in steps.values():
+            assert step["reward/samples"] == 8 and step["reward/failures/error"] == 0
+            assert step["reward/judge_latency_p95_s"] > 0 and "reward/genrm/mean" in step
+            assert step["reward/exposed_s"] >= 0
