@@ -13,7 +13,9 @@ most :data:`EAGER_MAX_BYTES`, and transformers' own SDPA otherwise (and on any o
 are prepared as for SDPA (boolean, or None for plain causal attention); a 4-D boolean mask passed by
 the caller (:mod:`hybridflow.workers.shared_prefix`) is used as is. A 4-D mask that carries a
 :class:`PackedRows` (``mask.packed_rows``, :mod:`hybridflow.workers.packed_rows`) means the sequence
-is packed tokens: the attention is gathered per padded row (:func:`packed_attention`). The worker
+is packed tokens: the attention is gathered per padded row (:func:`packed_attention`). A mask that also
+carries a ``sequence_slice`` holds one rank's slice of a sequence split by Ulysses sequence parallelism:
+the heads are exchanged all-to-all around that packed attention (:mod:`hybridflow.utils.ulysses`). The worker
 loads models with it on the CPU unless ``model.override_config.attn_implementation`` names another.
 """
 
@@ -112,6 +114,11 @@ def cpu_attention_forward(
     functions return it."""
     scale = scaling if scaling is not None else query.shape[3] ** -0.5
     packed = getattr(attention_mask, "packed_rows", None)
+    sequence_slice = getattr(attention_mask, "sequence_slice", None)  # Ulysses: this rank's tokens only
+    if sequence_slice is not None:
+        return _sequence_parallel_forward(
+            module, query, key, value, attention_mask, sequence_slice, dropout, scale
+        )
     if packed is not None:
         return _packed_forward(module, query, key, value, attention_mask, packed, dropout, scale), None
     batch, num_heads, q_len, head_dim = query.shape
@@ -146,6 +153,25 @@ def _packed_forward(module, query, key, value, mask, packed: PackedRows, dropout
         )
 
     return packed_attention(query, key, value, mask, packed, sdpa)
+
+
+def _sequence_parallel_forward(module, query, key, value, mask, sequence_slice, dropout: float, scale: float):
+    """(1, L, nh, hd) output of this rank's L packed tokens when the sequence is split over a Ulysses
+    group (:mod:`hybridflow.utils.ulysses`): all-to-all to whole-sequence heads, the packed attention
+    of those heads, all-to-all back."""
+    from hybridflow.utils.ulysses import ulysses_attention
+
+    packed = getattr(mask, "packed_rows", None)
+    if packed is None:
+        raise ValueError("sequence parallelism needs the packed-rows layout (mask.packed_rows)")
+    output = ulysses_attention(
+        query,
+        key,
+        value,
+        sequence_slice,
+        lambda q, k, v: _packed_forward(module, q, k, v, mask, packed, dropout, scale),
+    )
+    return output, None
 
 
 def _sdpa_forward():

@@ -43,6 +43,18 @@ def is_vision_language(config) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
+def auto_class_name(config, kind: str, path: str = "the model") -> str:
+    """The transformers Auto class that builds ``kind`` (see :data:`AUTO_CLASSES`) for ``config``."""
+    if not is_vision_language(config):
+        return AUTO_CLASSES[kind]
+    if kind != "causal_lm":
+        raise NotImplementedError(
+            f"{path} is a vision-language model ({config.model_type}); a {kind} head on it (critic, reward "
+            "model) is not built: train it with GRPO (algorithm.adv_estimator=grpo, no critic)"
+        )
+    return VISION_LM_AUTO_CLASS
+
+
 def resolve_local_path(path: str) -> str:
     """Expand ``~`` and check that ``path`` is a local model directory (no hub access here)."""
     local = os.path.expanduser(str(path))
@@ -79,16 +91,12 @@ def load_hf_model(model_cfg, kind: str, dtype: torch.dtype, seed: int = 0) -> nn
     )
     for key, value in (model_cfg.get("override_config") or {}).items():
         setattr(config, key, value)
-    extra = {"num_labels": 1} if kind != "causal_lm" else {}
+    # value and reward heads without dropout (verl sets the same three for its critic and reward model)
+    no_dropout = {"classifier_dropout": 0.0, "hidden_dropout": 0.0, "summary_dropout_prob": 0.0}
+    extra = {"num_labels": 1, **no_dropout} if kind != "causal_lm" else {}
     for key, value in extra.items():
         setattr(config, key, value)
-    if is_vision_language(config) and kind != "causal_lm":
-        raise NotImplementedError(
-            f"{path} is a vision-language model ({config.model_type}); a {kind} head on it (critic, reward "
-            "model) is not built: train it with GRPO (algorithm.adv_estimator=grpo, no critic)"
-        )
-    auto_name = VISION_LM_AUTO_CLASS if is_vision_language(config) else AUTO_CLASSES[kind]
-    auto_cls = getattr(transformers, auto_name)
+    auto_cls = getattr(transformers, auto_class_name(config, kind, path))
     attention = {}
     if device_type() == "cpu" and "attn_implementation" not in (model_cfg.get("override_config") or {}):
         # short-sequence attention without SDPA's slow CPU kernel (hybridflow/models/attention.py)

@@ -47,17 +47,18 @@ class PackedInputs:
     valid: torch.Tensor  # (b, T_k) bool, response token t exists in the row
 
 
-def plan_packed_rows(micro: DataProto, padded_width: int) -> PackedInputs | None:
+def plan_packed_rows(micro: DataProto, padded_width: int, always: bool = False) -> PackedInputs | None:
     """The packed layout of ``micro`` (rows ``[prompt, left-padded | response, right-padded]``) when it
-    has at most :data:`MAX_TOKEN_FRACTION` of the ``b x padded_width`` positions, else None. Rows whose
-    prompt is empty or whose response has an unattended column before its last attended one keep the
-    padded layout (their attention is not a prefix of the row)."""
+    has at most :data:`MAX_TOKEN_FRACTION` of the ``b x padded_width`` positions (or ``always``: the
+    layout sequence parallelism slices), else None. Rows whose prompt is empty or whose response has
+    an unattended column before its last attended one keep the padded layout (their attention is not
+    a prefix of the row)."""
     rows = split_rows(micro)
     if any(not row.prompt for row in rows) or _has_response_gaps(micro):
         return None
     groups = prompt_groups(rows)
     tokens = sum(len(rows[g[0]].prompt) + sum(len(rows[i].response) for i in g) for g in groups)
-    if tokens > MAX_TOKEN_FRACTION * len(rows) * padded_width:
+    if not always and tokens > MAX_TOKEN_FRACTION * len(rows) * padded_width:
         return None
     return _build(rows, groups, micro.batch[keys.INPUT_IDS].device)
 

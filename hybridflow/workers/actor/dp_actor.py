@@ -41,11 +41,11 @@ from hybridflow.workers.forward import pad_responses, response_outputs
 from hybridflow.workers.fsdp_utils import grad_norm_and_clip
 from hybridflow.workers.micro_batch import global_batch_info, restore_order, split_micro_batches
 from hybridflow.workers.tensor_parallel import (
-    dp_group_of,
     tensor_parallel_state,
     vocab_parallel_entropy,
     vocab_parallel_log_probs,
 )
+from hybridflow.workers.ulysses import loss_dp_group, sequence_parallel_log_probs, sequence_parallel_state
 
 # Loss terms whose per-micro-batch values are shares of the mini-batch value: their metric is the sum.
 _SUMMED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/distill_loss")
@@ -67,9 +67,16 @@ def response_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(log_probs (b, T_r), entropy (b, T_r) | None)`` of ``micro[responses]``; 0 in the trimmed
     trailing padding columns (outside ``response_mask``). ``entropy_grad=False``: the entropy is only
-    reported, so it is computed off the autograd graph."""
-    logits = forward_response_logits(model, micro, temperature)
+    reported, so it is computed off the autograd graph. A sequence-parallel model splits each sequence
+    over its group and returns the same whole-sequence tensors (:mod:`hybridflow.workers.ulysses`)."""
     responses = micro.batch[keys.RESPONSES]
+    if sequence_parallel_state(model) is not None:
+        log_probs, entropy = sequence_parallel_log_probs(
+            model, micro, temperature, with_entropy, entropy_grad
+        )
+        entropy = None if entropy is None else pad_responses(entropy, responses.shape[1])
+        return pad_responses(log_probs, responses.shape[1]), entropy
+    logits = forward_response_logits(model, micro, temperature)
     tp = tensor_parallel_state(model)  # tensor-parallel: logits hold this rank's vocabulary slice
     labels = responses[:, : logits.shape[1]]
     if tp is None:
@@ -205,7 +212,7 @@ class DataParallelPPOActor:
         """Forward/backward every micro-batch of one mini-batch; gradients accumulate in the module
         (reduced over the ranks on the last micro-batch). Metrics are appended to ``metrics``."""
         cfg = self.config
-        info = global_batch_info(mini, self.loss_scale_factor, dp_group_of(self.module))
+        info = global_batch_info(mini, self.loss_scale_factor, loss_dp_group(self.module))
         micros, _ = split_micro_batches(
             mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu
         )

@@ -15,12 +15,17 @@ from hybridflow.protocol import DataProto
 from hybridflow.workers.forward import pad_responses, response_outputs
 from hybridflow.workers.fsdp_utils import grad_norm_and_clip
 from hybridflow.workers.micro_batch import global_batch_info, restore_order, split_micro_batches
-from hybridflow.workers.tensor_parallel import dp_group_of
+from hybridflow.workers.ulysses import loss_dp_group, sequence_parallel_state, sequence_parallel_values
 
 
 def forward_values(model: nn.Module, micro: DataProto) -> torch.Tensor:
-    """Values of the response positions: (b, T_r), zero outside ``response_mask``."""
-    values = pad_responses(response_outputs(model, micro)[..., 0], micro.batch[keys.RESPONSES].shape[1])
+    """Values of the response positions: (b, T_r), zero outside ``response_mask`` (split over the
+    model's sequence-parallel group when it has one: :mod:`hybridflow.workers.ulysses`)."""
+    if sequence_parallel_state(model) is not None:
+        per_token = sequence_parallel_values(model, micro)
+    else:
+        per_token = response_outputs(model, micro)[..., 0]
+    values = pad_responses(per_token, micro.batch[keys.RESPONSES].shape[1])
     return values * micro.batch[keys.RESPONSE_MASK]
 
 
@@ -66,7 +71,7 @@ class DataParallelPPOCritic:
         mini-batch's (normalised over all micro-batches and ranks, as the actor's)."""
         cfg = self.config
         scale = cfg.get("loss_scale_factor")
-        info = global_batch_info(mini, None if scale is None else float(scale), dp_group_of(self.module))
+        info = global_batch_info(mini, None if scale is None else float(scale), loss_dp_group(self.module))
         micros, _ = split_micro_batches(
             mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu
         )
