@@ -123,8 +123,7 @@ class RateLimitedRewardManager(RewardManagerBase):
             outcome = await self._limited_call(sample)
             score, extras, problem = _parse(outcome)
             if problem is None:
-                if not isinstance(outcome.result, dict):
-                    extras = {"acc": score}
+                extras = {**outcome.result} if isinstance(outcome.result, dict) else {"acc": score}  # verl's
                 return {"reward_score": score, "reward_extra_info": extras}
             if attempt < self.max_retries:
                 type(self).retries += 1

@@ -125,6 +125,8 @@ class RewardLoop:
         for row, result in enumerate(results):
             reward[row, positions[row]] = float(result["reward_score"])
             for key, value in (result.get("reward_extra_info") or {}).items():
+                if key == "score":  # the reward tensor holds it (after any shaping)
+                    continue
                 extras.setdefault(key, [None] * len(data))[row] = value
         return reward, extras
 

@@ -22,8 +22,7 @@ def resolve_one(sample: RewardSample, outcome, on_score_error: str) -> tuple[flo
         if on_score_error == "raise":
             raise RewardScoreError(_describe(sample, problem)) from outcome.error
         return 0.0, {"score_error": 1, "timed_out": int(isinstance(outcome.error, ScoreTimeout))}
-    if not isinstance(outcome.result, dict):
-        extras = {"acc": score}
+    extras = {**outcome.result} if isinstance(outcome.result, dict) else {"acc": score}  # verl keeps "score"
     if on_score_error == "zero":
         extras = {**extras, "score_error": 0, "timed_out": 0}
     return score, extras
