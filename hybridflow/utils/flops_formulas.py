@@ -122,6 +122,7 @@ def _mla_params(config: Any) -> int:
 
 
 def _dense(config: Any, seqlens: Sequence[int], **_) -> int:
+    config = cfg(config, "text_config", config)  # Qwen2(.5)-VL in transformers 5: the decoder's sizes
     return 6 * dense_decoder_params(config) * sum(seqlens) + _causal_attention_flops(config, seqlens)
 
 

@@ -82,7 +82,11 @@ def _decoder_layers(model: nn.Module, class_names=None) -> list[nn.Module]:
     if isinstance(class_names, str):
         class_names = [class_names]
     names = set(class_names or getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    # A vision-language model's vision tower stays in the root unit: HF generate encodes the images
+    # outside the root's forward, and an FSDP unit first run outside it fails ("run forward through
+    # the root module first"). Unsharded with the root, its blocks run as plain modules.
+    vision = {id(m) for name, sub in model.named_modules() if name.endswith("visual") for m in sub.modules()}
+    layers = [m for m in model.modules() if type(m).__name__ in names and id(m) not in vision]
     if class_names and not layers:
         raise ValueError(f"wrap_policy.transformer_layer_cls_to_wrap={sorted(names)} matches no module")
     if not layers:  # unknown architecture: fall back to the children of the largest ModuleList

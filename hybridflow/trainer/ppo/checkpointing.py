@@ -239,7 +239,7 @@ def _saved_tensors(model_cfg, kind: str, lora: bool) -> _Saved:
     tied weights twice, as ``get_model_state_dict`` saves them; a LoRA actor saves only its adapter."""
     import transformers
 
-    from hybridflow.workers.model_builder import AUTO_CLASSES
+    from hybridflow.workers.model_builder import auto_class_name
 
     trust = bool(model_cfg.get("trust_remote_code", False))
     hf_config = transformers.AutoConfig.from_pretrained(
@@ -249,7 +249,7 @@ def _saved_tensors(model_cfg, kind: str, lora: bool) -> _Saved:
         setattr(hf_config, key, value)
     if kind != "causal_lm":
         hf_config.num_labels = 1
-    auto_cls = getattr(transformers, AUTO_CLASSES[kind])
+    auto_cls = getattr(transformers, auto_class_name(hf_config, kind))
     with torch.device("meta"):
         model = auto_cls.from_config(hf_config, trust_remote_code=trust)
         if lora:
