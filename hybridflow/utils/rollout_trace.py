@@ -24,8 +24,9 @@ call) waits until what was queued is written.
 
 **Never loses a turn.** A call is recorded when it returns, when it raises (with the error) and when
 it is cancelled; an aborted generation returns (``stop_reason="aborted"``) and is recorded as such. A
-sample's records carry ``seq``, its call count in this process, which continues when the sample is
-resumed here (partial rollout), and ``t_start``; the reader orders by ``t_start``. Which samples are
+sample's records carry ``seq``, its call count in this process in the order the calls started, which
+continues when the sample is resumed here (partial rollout), and ``t_start``; the reader orders by
+``t_start``. Which samples are
 traced is decided once per (step, dataset index) in a worker, so a resumed group is traced again.
 """
 
@@ -245,15 +246,15 @@ def rollout_trace_op(func):
                 inputs.update(value)
             else:
                 inputs[name] = value
-        return attributes, inputs, time.time(), time.perf_counter()
+        seq = RolloutTraceConfig.get_instance().next_seq(_sample_key(attributes))  # in start order
+        return attributes, inputs, seq, time.time(), time.perf_counter()
 
     def finish(self, call, output=None, error: BaseException | None = None) -> None:
-        attributes, inputs, t_start, clock = call
+        attributes, inputs, seq, t_start, clock = call
         config = RolloutTraceConfig.get_instance()
-        key = _sample_key(attributes)
         record = {
             **attributes,
-            "seq": config.next_seq(key),
+            "seq": seq,
             "call": func.__qualname__,
             "kind": call_kind(func.__qualname__),
             "t_start": t_start,
