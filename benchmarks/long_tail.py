@@ -20,6 +20,8 @@ Modes, all on the same 2 cores with 2 processes of 1 thread each and ``prompts x
   the 2 replicas (least in flight), rewards scored in the loop as each sample finishes;
 - ``fully_async``: ``fully_async_main``, 1 trainer process and 1 rollout process, staleness 1,
   partial rollout, token-level IS correction.
+- ``async_traced`` / ``fully_async_traced``: that mode with ``rollout.trace.backend=jsonl`` and
+  ``token2text`` on every sample (the rollout trace's cost; docs/agent_loops.md#trace).
 
 ``samples_per_s`` = samples trained / the summed wall time of the timed steps (the first
 ``--warmup`` steps excluded); ``reward_last`` = mean and standard error of the per-step mean reward
@@ -197,7 +199,19 @@ def build_model(work: Path, teach_steps: int) -> tuple[Path, dict]:
 
 
 # ------------------------------------------------------------------ the runs
+TRACED = "_traced"  # a mode name ending in it: the same run with every agent-loop call traced
+
+
 def overrides(args, mode: str, model: Path, train: Path, test: Path, tools: Path) -> list[str]:
+    if mode.endswith(TRACED):  # the rollout trace's cost: every sample, token ids also as text
+        base = overrides(args, mode.removesuffix(TRACED), model, train, test, tools)
+        name = "trainer.experiment_name="
+        base = [f"{name}{mode}" if v.startswith(name) else v for v in base]
+        return [
+            *base,
+            "actor_rollout_ref.rollout.trace.backend=jsonl",
+            "actor_rollout_ref.rollout.trace.token2text=true",
+        ]
     samples_per_gpu = args.prompts * args.n // 2
     common = [
         f"data.train_files={train}",
@@ -266,7 +280,7 @@ def run_mode(args, mode: str, work: Path) -> dict:
     os.chdir(run_dir)
     values = overrides(args, mode, model, train, test, tools)
     start = time.time()
-    if mode == "fully_async":
+    if mode.removesuffix(TRACED) == "fully_async":
         from hybridflow.trainer.fully_async.main import run_fully_async
 
         run_fully_async(load_config(values, config_name="fully_async_ppo_trainer"))

@@ -334,3 +334,27 @@ def test_the_config_refuses_what_cannot_run_here(overrides, message):
             )
         )
     )
+
+
+def test_the_tensorboard_backend_writes_one_text_summary_per_call(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    RolloutTraceConfig.reset()
+    RolloutTraceConfig.init("p", "e", "tensorboard", directory=str(tmp_path))
+    try:
+
+        async def go():
+            with rollout_trace_attr(sample_index=4, step=3, rollout_n=1):
+                await Service().generate("r", prompt_ids=[1, 2])
+                Service().lookup("k")
+
+        asyncio.run(go())
+    finally:
+        RolloutTraceConfig.reset()  # closes the writer
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    texts = events.Tensors("rollout_trace/sample_4_1/text_summary")
+    assert [t.step for t in texts] == [3, 3]
+    shown = [t.tensor_proto.string_val[0].decode() for t in texts]
+    assert "Service.generate" in shown[0] and '"token_ids": [\n   2,\n   3\n  ]' in shown[0]
+    assert "Service.lookup" in shown[1]
