@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 RESPONSES_COLUMN = "responses"
 ENGINE_NAMES = ("engine", "vllm")  # hybridflow's engine, or vLLM itself
+HF_NAME = "hf"  # HF generate: image rows of a vision-language model (trainer/vision_generation.py)
 
 
 @hydra.main(config_path="config", config_name="generation", version_base=None)
@@ -52,6 +53,14 @@ def run_generation(config: DictConfig) -> str:
         trust_remote_code=bool(config.model.trust_remote_code),
         custom_chat_template=config.model.custom_chat_template,
     )
+    if rollout.name == HF_NAME:  # image rows: the model's processor and HF generate
+        from hybridflow.trainer.vision_generation import hf_generate
+
+        out = write_responses(
+            table, hf_generate(config, table, tokenizer), os.path.expanduser(str(data.output_path))
+        )
+        print(f"generated {len(table)} prompts x {int(data.n_samples)} responses with HF generate -> {out}")
+        return out
     prompts = prompt_token_ids(
         table.column(str(data.prompt_key)).to_pylist(),
         tokenizer,
@@ -128,8 +137,10 @@ def validate_generation_config(config: DictConfig) -> None:
         problems.append(f"data.truncation={data.truncation!r}; choose one of {list(TRUNCATIONS)}")
     if rollout.dtype not in DTYPES and rollout.dtype != "auto":
         problems.append(f"rollout.dtype={rollout.dtype!r}; choose one of {sorted(DTYPES) + ['auto']}")
-    if rollout.name not in ENGINE_NAMES:
-        problems.append(f"rollout.name={rollout.name!r}; generation runs on one of {ENGINE_NAMES}")
+    if rollout.name not in (*ENGINE_NAMES, HF_NAME):
+        problems.append(
+            f"rollout.name={rollout.name!r}; generation runs on one of {(*ENGINE_NAMES, HF_NAME)}"
+        )
     elif rollout.name == "vllm":
         from hybridflow.workers.rollout.vllm_rollout import vllm_unavailable_reason
 

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from hybridflow import keys
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, make_nd_compute_dataproto_dispatch_fn, register
+from hybridflow.utils.dataset.multimodal import load_processor
 from hybridflow.workers.actor.dp_actor import DataParallelPPOActor
 from hybridflow.workers.critic.dp_critic import DataParallelPPOCritic
 from hybridflow.workers.fsdp_utils import build_device_mesh
@@ -252,8 +253,9 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
                 self.actor_parts.optimizer,
                 response_length=int(cfg.rollout.response_length),
             )
-            self.checkpoint_manager = _checkpoint_manager(
-                self.actor_parts, self.tokenizer, cfg.actor.checkpoint.save_contents, lora_enabled(cfg.model)
+            processing = load_processor(resolve_local_path(cfg.model.path), self.tokenizer) or self.tokenizer
+            self.checkpoint_manager = _checkpoint_manager(  # a VLM's processor files too (verl: processor)
+                self.actor_parts, processing, cfg.actor.checkpoint.save_contents, lora_enabled(cfg.model)
             )
         elif self._is_rollout:
             self.actor_module = build_fsdp_module(

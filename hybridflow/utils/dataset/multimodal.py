@@ -122,6 +122,14 @@ class VisionProcessor:
         extra = sum(n - 1 for n in self.tokens_per_image(grids)) if images else 0
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + extra
 
+    def save_pretrained(self, directory: str) -> None:
+        """Tokenizer, ``preprocessor_config.json`` and chat template: a checkpoint's ``huggingface/``."""
+        self.tokenizer.save_pretrained(directory)
+        self.image_processor.save_pretrained(directory)
+        if self.chat_template is not None:
+            legacy = json.dumps({"chat_template": self.chat_template})
+            Path(directory, "chat_template.json").write_text(legacy)
+
     def _pixels(self, image, bound: tuple) -> dict[str, torch.Tensor]:
         kwargs = {k: v for k, v in zip(("min_pixels", "max_pixels"), bound, strict=True) if v is not None}
         out = self.image_processor([image], return_tensors="pt", **kwargs)
