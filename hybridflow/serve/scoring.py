@@ -1,8 +1,8 @@
 """The teacher's endpoints: score given token ids without generating (hybridflow's own API).
 
-- ``GET /v1/score/vocab`` → ``{"model", "vocab_size", "tokenizer": "sha256:..."}``: what a student checks
-  before training (:mod:`hybridflow.utils.vocab_fingerprint`): the same vocabulary size *and* the same
-  ``token -> id`` map, else distillation is refused.
+- ``POST /v1/score/vocab`` (body ``{"model"}`` or ``{}``) → ``{"model", "vocab_size", "tokenizer":
+  "sha256:..."}``: what a student checks before training (:mod:`hybridflow.utils.vocab_fingerprint`):
+  the same vocabulary size *and* the same ``token -> id`` map, else distillation is refused.
 - ``POST /v1/score`` with ``{"model", "prompts": [[ids]], "responses": [[ids]], "top_k": k,
   "temperature": 1.0}`` → ``{"data": [{"index", "top_logprobs" (N_i, k), "top_ids" (N_i, k),
   "token_logprobs" (N_i,)}]}``: for every response token, the teacher's k most likely tokens (ids and
@@ -27,16 +27,21 @@ MAX_TOP_K = 1024  # log-probs per position at most (the chat API's top_logprobs 
 class ScoreRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: str | None = None  # None: the served model
     prompts: list[list[int]] = Field(min_length=1)
     responses: list[list[int]] = Field(min_length=1)
     top_k: int = Field(1, ge=1)
     temperature: float = Field(1.0, gt=0.0, le=100.0)
 
 
+class VocabRequest(BaseModel):
+    model: str | None = None
+
+
 def check_score_request(service, request: ScoreRequest) -> tuple[list[list[int]], list[int]]:
     """The sequences (prompt + response) and their first scored positions, or an :class:`APIError`."""
-    service.check_model(request.model)
+    if request.model is not None:
+        service.check_model(request.model)
     if len(request.prompts) != len(request.responses):
         raise APIError(
             400,
@@ -102,13 +107,16 @@ async def score(service, request: ScoreRequest) -> dict:
 
 
 def add_scoring_routes(app, service) -> None:
-    """``/v1/score`` and ``/v1/score/vocab`` on ``app`` (a FastAPI app), answered by ``service``."""
+    """``/v1/score`` and ``/v1/score/vocab`` (both POST: the JSON client's one verb) on ``app`` (a FastAPI
+    app), answered by ``service``."""
     from hybridflow.utils.vocab_fingerprint import vocab_fingerprint
 
     fingerprint = vocab_fingerprint(service.tokenizer)
 
-    @app.get("/v1/score/vocab")
-    async def vocab():
+    @app.post("/v1/score/vocab")
+    async def vocab(request: VocabRequest):
+        if request.model is not None:
+            service.check_model(request.model)
         return {"model": service.model_name, "vocab_size": service.vocab_size, "tokenizer": fingerprint}
 
     @app.post("/v1/score")

@@ -191,7 +191,12 @@ def build_trainer(config: DictConfig, worker_groups=None):
         config=OmegaConf.to_container(config, resolve=True),
         log_dir=log_dir(config),
     )
-    return RayPPOTrainer(
+    trainer_cls, extra = RayPPOTrainer, {}
+    if config.actor_rollout_ref.get("teacher", {}).get("server_ip") is not None:  # on-policy distillation
+        from hybridflow.trainer.distill import OnPolicyDistillTrainer, connect_teacher
+
+        trainer_cls, extra = OnPolicyDistillTrainer, {"teacher": connect_teacher(config, tokenizer)}
+    return trainer_cls(
         config,
         tokenizer,
         train_loader,
@@ -200,6 +205,7 @@ def build_trainer(config: DictConfig, worker_groups=None):
         val_reward_fn,
         tracker=tracker,
         worker_groups=worker_groups,
+        **extra,
     )
 
 

@@ -19,6 +19,7 @@ import os
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from hybridflow.trainer.config.distill_honesty import distill_problems
 from hybridflow.trainer.config.parallelism import role_world_size, tensor_parallel_problems
 from hybridflow.trainer.config.reward_loop_honesty import reward_loop_problems
 from hybridflow.trainer.config.vision_honesty import vision_problems
@@ -409,7 +410,7 @@ def honesty_problems(config: DictConfig) -> list[str]:
     problems += _rollout_backend_problems(config) + _server_mode_problems(config) + _trace_problems(config)
     problems += tensor_parallel_problems(config) + vision_problems(config)
     problems += reward_loop_problems(config)
-    return problems + _reward_kwargs_problems(config)
+    return problems + _reward_kwargs_problems(config) + distill_problems(config)
 
 
 def _constructor_params(cls: type) -> set[str]:

@@ -1,0 +1,279 @@
+"""On-policy distillation on the CPU: a weak student learns 2-digit + 2-digit addition (with carries) from
+a served teacher, against GRPO alone at the same wall clock.
+
+``python examples/distill/run.py [--out DIR] [--stage all|models|distill|grpo|summary]``
+
+1. ``models``: the task (``a + b``, both operands of two digits: most problems carry) and two tiny models
+   built as the quickstart's (``hybridflow.quickstart``): the **teacher**, fine-tuned on correct answers
+   until it adds well, and the **student**, warm-started on a weak teacher that writes the carry-free
+   answer on 70% of carry problems (the quickstart's warm start);
+2. ``distill``: the teacher served by ``python -m hybridflow.serve`` (``/v1/score``), the student trained
+   by pure on-policy distillation (``actor_rollout_ref.teacher``, verl's top-k KL) for
+   ``--minutes`` of wall clock, validating greedily every few steps;
+3. ``grpo``: the same student trained by GRPO against the exact-answer reward, same minutes, same workers;
+4. ``summary``: one JSON line per run (greedy accuracy before / after, points gained, seconds) and
+   ``distill_vs_grpo.png`` (validation accuracy against wall-clock seconds).
+
+Each stage is one heavy job (run them one at a time on a shared machine). Everything is the real stack:
+Ray worker groups, FSDP2 over gloo, the engine, an HTTP teacher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+VAL_KEY = "val-core/hybridflow/arithmetic/reward/mean@1"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="outputs/distill_example")
+    parser.add_argument("--stage", default="all", choices=("all", "models", "distill", "grpo", "summary"))
+    parser.add_argument("--minutes", type=float, default=10.0, help="wall clock of each student run")
+    parser.add_argument("--teacher-sft-steps", type=int, default=1200)
+    parser.add_argument("--student-sft-steps", type=int, default=450)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--prompts-per-step", type=int, default=32)
+    parser.add_argument("--distill-n", type=int, default=2, help="responses per prompt when distilling")
+    parser.add_argument("--distill-lr", type=float, default=5e-4)
+    parser.add_argument("--grpo-n", type=int, default=8)
+    parser.add_argument("--grpo-lr", type=float, default=2e-4)
+    parser.add_argument("--top-k", type=int, default=16, help="the teacher's top-k per position")
+    parser.add_argument(
+        "--scheduler", default="sequential", choices=("sequential", "one_step_off", "two_step_off")
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def quickstart_args(args, out: Path, steps: int, error_rate: float) -> argparse.Namespace:
+    from hybridflow.quickstart import parse_args as quickstart_parse
+
+    return quickstart_parse(
+        [
+            f"--out={out}",
+            "--b-digits=2",
+            f"--sft-steps={steps}",
+            f"--teacher-carry-error-rate={error_rate}",
+            f"--workers={args.workers}",
+            f"--seed={args.seed}",
+        ]
+    )
+
+
+def build_models(args, out: Path) -> None:
+    """The task data, then the teacher (correct answers) and the student (the weak warm start): the same
+    tokenizer (built once from the task text), so the teacher can score the student's ids."""
+    from hybridflow.quickstart import prepare, warm_start
+
+    student_args = quickstart_args(args, out / "student", args.student_sft_steps, 0.7)
+    train, test, sft_file, base = prepare(student_args, out / "student")
+    warm_start(student_args, out / "student", sft_file, base)
+    teacher_args = quickstart_args(args, out / "teacher", args.teacher_sft_steps, 0.0)
+    _, _, teacher_sft, _ = prepare(teacher_args, out / "teacher")
+    warm_start(teacher_args, out / "teacher", teacher_sft, base)  # the student's base: one tokenizer
+    test = out / "student" / "data" / "test.parquet"
+    for name in ("teacher", "student"):
+        accuracy = greedy_accuracy(out / name / "sft_model", test)
+        print(json.dumps({"model": name, "greedy_accuracy": accuracy}), flush=True)
+
+
+def greedy_accuracy(model_dir: Path, test_file: Path) -> float:
+    """Exact-answer greedy accuracy on the held-out problems (HF ``generate``, in this process)."""
+    import pyarrow.parquet as pq
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(str(model_dir))
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rows = pq.read_table(test_file).to_pylist()
+    right = 0
+    for first in range(0, len(rows), 50):
+        chunk = rows[first : first + 50]
+        texts = [
+            tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
+            for r in chunk
+        ]
+        inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            output = model.generate(
+                **inputs, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id
+            )
+        answers = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+        right += sum(
+            a.strip() == r["reward_model"]["ground_truth"] for a, r in zip(answers, chunk, strict=True)
+        )
+    return right / len(rows)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_teacher(out: Path, port: int) -> subprocess.Popen:
+    import httpx
+
+    log = open(out / "teacher_server.log", "w")  # noqa: SIM115 - lives as long as the server
+    command = [
+        sys.executable, "-m", "hybridflow.serve", "--model", str(out / "teacher" / "sft_model"),
+        "--port", str(port), "--threads", "1", "--max-num-seqs", "16",
+    ]  # fmt: skip
+    server = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    for _ in range(600):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            time.sleep(0.2)
+        if server.poll() is not None:
+            break
+    server.kill()
+    raise RuntimeError(f"the teacher server did not start: see {out / 'teacher_server.log'}")
+
+
+def student_run(args, out: Path, name: str, extra: list[str]) -> None:
+    from hybridflow.trainer.config import load_config
+    from hybridflow.trainer.main_ppo import run_ppo
+
+    n = args.distill_n if name == "distill" else args.grpo_n
+    rows_per_worker = args.prompts_per_step * n // args.workers
+    data = out / "student" / "data"
+    config = load_config(
+        [
+            f"data.train_files={data / 'train.parquet'}",
+            f"data.val_files={data / 'test.parquet'}",
+            f"actor_rollout_ref.model.path={out / 'student' / 'sft_model'}",
+            f"data.train_batch_size={args.prompts_per_step}",
+            "data.max_prompt_length=40",
+            "data.max_response_length=6",
+            f"actor_rollout_ref.rollout.n={n}",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts_per_step}",
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={rows_per_worker}",
+            "algorithm.adv_estimator=grpo",
+            "trainer.total_training_steps=100000",
+            f"trainer.time_budget_minutes={args.minutes}",
+            "trainer.test_freq=5",
+            f"trainer.n_gpus_per_node={args.workers}",
+            "trainer.logger=[console,jsonl]",
+            f"trainer.default_local_dir={out / 'checkpoints' / name}",
+            "trainer.project_name=distill_example",
+            f"trainer.experiment_name={name}",
+            "trainer.resume_mode=disable",
+            *extra,
+        ]
+    )
+    os.chdir(out)  # logs: outputs/distill_example/<name>/metrics.jsonl under --out
+    run_ppo(config)
+
+
+def distill(args, out: Path) -> None:
+    port = _free_port()
+    server = serve_teacher(out, port)
+    try:
+        student_run(
+            args,
+            out,
+            "distill",
+            [
+                f"actor_rollout_ref.actor.optim.lr={args.distill_lr}",
+                "actor_rollout_ref.teacher.server_ip=127.0.0.1",
+                f"actor_rollout_ref.teacher.server_port={port}",
+                f"actor_rollout_ref.teacher.n_logprobs={args.top_k}",
+                "actor_rollout_ref.teacher.micro_batch_size=16",
+                f"trainer.scheduler={args.scheduler}",
+            ],
+        )
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def grpo(args, out: Path) -> None:
+    student_run(args, out, "grpo", [f"actor_rollout_ref.actor.optim.lr={args.grpo_lr}"])
+
+
+def curve(out: Path, name: str) -> list[tuple[float, float]]:
+    """(seconds since the run's first step started, greedy accuracy) at each validation; the step-0
+    validation at 0 s."""
+    log = out / "outputs" / "distill_example" / name / "metrics.jsonl"
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    points, elapsed = [], 0.0
+    for record in sorted(records, key=lambda r: r["step"]):
+        elapsed += float(record.get("timing_s/step", 0.0)) + float(record.get("timing_s/testing", 0.0))
+        if VAL_KEY in record:
+            points.append((round(elapsed, 1), float(record[VAL_KEY])))
+    return points
+
+
+def summary(out: Path) -> list[dict]:
+    lines = []
+    for name in ("distill", "grpo"):
+        points = curve(out, name)
+        if not points:
+            continue
+        lines.append(
+            {
+                "run": name,
+                "accuracy_before": points[0][1],
+                "accuracy_after": points[-1][1],
+                "gain_points": round(100 * (points[-1][1] - points[0][1]), 1),
+                "seconds": points[-1][0],
+                "curve": points,
+            }
+        )
+        print(json.dumps(lines[-1]), flush=True)
+    plot(out, lines)
+    return lines
+
+
+def plot(out: Path, lines: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    for line in lines:
+        seconds, accuracy = zip(*line["curve"], strict=True)
+        axis.plot(seconds, [100 * a for a in accuracy], marker="o", label=line["run"])
+    axis.set_xlabel("wall-clock seconds of training steps (validation included)")
+    axis.set_ylabel("greedy test accuracy (%)")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(out / "distill_vs_grpo.png", dpi=120)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if args.stage in ("all", "models"):
+        build_models(args, out)
+    if args.stage in ("all", "distill"):
+        distill(args, out)
+    if args.stage in ("all", "grpo"):
+        grpo(args, out)
+    if args.stage in ("all", "summary"):
+        summary(out)
+
+
+if __name__ == "__main__":
+    main()
