@@ -148,9 +148,16 @@ def task_texts() -> list[str]:
     return texts * 20
 
 
+def decoy(truth: str, kind: str) -> str:
+    """The weak teacher's wrong answer to a question of type ``kind``: the type's first answer word,
+    or its second when the first is right."""
+    answers = TYPES[kind].answers
+    return answers[1] if truth == answers[0] else answers[0]
+
+
 def weak_teacher_answer(truth: str, kind: str, rng: random.Random, accuracy: float) -> str:
-    """The SFT warm start's teacher: the right answer with probability ``accuracy``, else a uniformly
-    drawn wrong one (valid words only: it teaches the format and a little of the task)."""
-    if rng.random() < accuracy:
-        return truth
-    return rng.choice([a for a in TYPES[kind].answers if a != truth])
+    """The SFT warm start's teacher: the right answer with probability ``accuracy``, else the type's
+    :func:`decoy`. Below 1/2 its most frequent answer is the wrong one, so a model that copies it well
+    answers wrongly when greedy while it samples the right answer ``accuracy`` of the time: the image
+    is read, the choice is left to GRPO."""
+    return truth if rng.random() < accuracy else decoy(truth, kind)
