@@ -17,6 +17,8 @@ def ray_session():
     """A local Ray instance for the whole session; never attaches to another cluster."""
     import ray
 
+    from hybridflow.utils.ray_startup import LOCAL_RAY_SYSTEM_CONFIG
+
     if not ray.is_initialized():
         ray.init(
             address="local",
@@ -24,6 +26,7 @@ def ray_session():
             include_dashboard=False,
             log_to_driver=True,
             configure_logging=False,
+            _system_config=dict(LOCAL_RAY_SYSTEM_CONFIG),  # no 8 idle workers prestarted
         )
     yield ray
     ray.shutdown()

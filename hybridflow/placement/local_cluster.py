@@ -26,9 +26,13 @@ def start_cluster(nodes: int, cpus_per_node: int, system_config: dict | None = N
     ``gpus_per_node`` logical GPUs on every node but the head)."""
     from ray.cluster_utils import Cluster
 
-    head_args = {"num_cpus": cpus_per_node, "include_dashboard": False}
-    if system_config:
-        head_args["_system_config"] = system_config
+    from hybridflow.utils.ray_startup import LOCAL_RAY_SYSTEM_CONFIG
+
+    head_args = {
+        "num_cpus": cpus_per_node,
+        "include_dashboard": False,
+        "_system_config": {**LOCAL_RAY_SYSTEM_CONFIG, **(system_config or {})},
+    }
     cluster = Cluster(initialize_head=True, head_node_args=head_args, shutdown_at_exit=False)
     for _ in range(nodes - 1):
         cluster.add_node(num_cpus=cpus_per_node, num_gpus=gpus_per_node)

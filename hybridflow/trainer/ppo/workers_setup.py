@@ -26,6 +26,7 @@ from hybridflow.single_controller.ray import (
     create_colocated_worker_cls,
     wait_futures,
 )
+from hybridflow.utils.ray_startup import LOCAL_RAY_SYSTEM_CONFIG
 
 
 @dataclass
@@ -185,6 +186,7 @@ def ensure_ray(ray_init_cfg) -> bool:
         num_cpus=ray_init_cfg.num_cpus if local else None,
         include_dashboard=False if local else None,
         configure_logging=False,
+        _system_config=dict(LOCAL_RAY_SYSTEM_CONFIG) if local else None,
     )
     from hybridflow.utils.process_reaper import Reaper
 
