@@ -58,37 +58,52 @@ def _run_fully_async(values: dict, tmp):
         run_fully_async(config)
 
 
-def test_staleness_zero_with_a_sync_every_step_equals_main_ppo(
-    ray_session, vllm_model_dir, arithmetic_data, tmp_path
-):
+ON_POLICY = {
+    "async_training.staleness_threshold": 0,
+    "async_training.trigger_parameter_sync_step": 1,
+    "async_training.partial_rollout": False,
+    "async_training.use_rollout_log_probs": False,  # old log-probs recomputed, as main_ppo's
+}
+
+
+@pytest.fixture(scope="module")
+def on_policy_runs(ray_session, vllm_model_dir, arithmetic_data, tmp_path_factory):
+    """One synchronous ``main_ppo`` run and one on-policy fully-async run of 4 steps (the latter saving
+    at steps 2 and 4), in one directory: two tests read them (a run costs ~30 CPU-seconds)."""
     from hybridflow.trainer.main_ppo import run_ppo
 
-    sync = load_config(
-        as_overrides(
-            _values(vllm_model_dir, arithmetic_data, tmp_path, "sync", **{"data.train_batch_size": 4})
-        )
-    )
+    tmp = tmp_path_factory.mktemp("on_policy")
+    sync_values = _values(vllm_model_dir, arithmetic_data, tmp, "sync", **{"trainer.total_training_steps": 4})
+    sync = load_config(as_overrides(sync_values))
     OmegaConf.resolve(sync)
     with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(tmp_path)
+        patch.chdir(tmp)
         run_ppo(sync)
-    on_policy = {
-        "async_training.staleness_threshold": 0,
-        "async_training.trigger_parameter_sync_step": 1,
-        "async_training.partial_rollout": False,
-        "async_training.use_rollout_log_probs": False,  # old log-probs recomputed, as main_ppo's
-    }
-    _run_fully_async(_values(vllm_model_dir, arithmetic_data, tmp_path, "fully_async", **on_policy), tmp_path)
-    sync_metrics, async_metrics = _metrics(tmp_path, "sync"), _metrics(tmp_path, "fully_async")
-    for step in (1, 2, 3):
-        assert _rollouts(tmp_path, "fully_async", step) == _rollouts(tmp_path, "sync", step)
+    whole = _values(
+        vllm_model_dir,
+        arithmetic_data,
+        tmp,
+        "fully_async",
+        **ON_POLICY,
+        **{"trainer.total_training_steps": 4, "trainer.save_freq": 2},
+    )
+    _run_fully_async(whole, tmp)
+    return tmp
+
+
+def test_staleness_zero_with_a_sync_every_step_equals_main_ppo(on_policy_runs):
+    tmp = on_policy_runs
+    sync_metrics, async_metrics = _metrics(tmp, "sync"), _metrics(tmp, "fully_async")
+    assert sorted(async_metrics) == sorted(sync_metrics) == [1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        assert _rollouts(tmp, "fully_async", step) == _rollouts(tmp, "sync", step)
         for key in COMPARED:
             assert async_metrics[step][key] == pytest.approx(sync_metrics[step][key], rel=1e-6, abs=1e-7), (
                 step,
                 key,
             )
         assert async_metrics[step]["fully_async/staleness/max"] == 0.0
-    assert async_metrics[3]["fully_async/count/current_param_version"] == 2  # synced after steps 1 and 2
+    assert async_metrics[4]["fully_async/count/current_param_version"] == 3  # synced after steps 1, 2, 3
 
 
 @pytest.fixture(scope="module")
@@ -178,44 +193,29 @@ def test_a_broken_weight_sync_stops_the_run_naming_the_replica(
     assert not logged.exists() or not logged.read_text().strip()  # step 1's sync failed: nothing logged
 
 
-ON_POLICY = {
-    "async_training.staleness_threshold": 0,
-    "async_training.trigger_parameter_sync_step": 1,
-    "async_training.use_rollout_log_probs": False,
-}
-
-
-def test_a_resumed_run_continues_with_the_next_prompts(
-    ray_session, vllm_model_dir, arithmetic_data, tmp_path
-):
-    """Checkpoints hold the groups trained and the parameter version: a run resumed at step 2 trains
-    steps 3 and 4 on the prompts (and, on-policy, the very samples) of the uninterrupted run."""
-    whole = _values(
-        vllm_model_dir,
-        arithmetic_data,
-        tmp_path,
-        "whole",
-        **ON_POLICY,
-        **{"trainer.total_training_steps": 4, "trainer.save_freq": 2},
-    )
-    _run_fully_async(whole, tmp_path)
+def test_a_resumed_run_continues_with_the_next_prompts(on_policy_runs, vllm_model_dir, arithmetic_data):
+    """Checkpoints hold the groups trained and the parameter version: a run resumed at step 2 of the
+    on-policy run (``on_policy_runs``' "fully_async") trains steps 3 and 4 on its prompts (and,
+    on-policy, its very samples)."""
+    tmp = on_policy_runs
     resumed = {
         **_values(
             vllm_model_dir,
             arithmetic_data,
-            tmp_path,
+            tmp,
             "resumed",
             **ON_POLICY,
             **{"trainer.total_training_steps": 4},
         ),
         "trainer.resume_mode": "resume_path",
-        "trainer.resume_from_path": str(tmp_path / "ckpt" / "global_step_2"),
+        "trainer.resume_from_path": str(tmp / "ckpt" / "global_step_2"),
+        "trainer.default_local_dir": str(tmp / "ckpt_resumed"),
     }
-    _run_fully_async(resumed, tmp_path)
-    assert sorted(_metrics(tmp_path, "resumed")) == [3, 4]
+    _run_fully_async(resumed, tmp)
+    assert sorted(_metrics(tmp, "resumed")) == [3, 4]
     for step in (3, 4):
-        assert _rollouts(tmp_path, "resumed", step) == _rollouts(tmp_path, "whole", step)
-    assert _metrics(tmp_path, "resumed")[3]["fully_async/count/groups_trained"] == 12
+        assert _rollouts(tmp, "resumed", step) == _rollouts(tmp, "fully_async", step)
+    assert _metrics(tmp, "resumed")[3]["fully_async/count/groups_trained"] == 12
 
 
 def _trained_prompts(tmp, name, step) -> list[str]:
