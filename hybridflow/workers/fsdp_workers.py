@@ -31,6 +31,7 @@ from hybridflow.workers.model_builder import build_fsdp_module, build_training_p
 from hybridflow.workers.rollout.base import get_rollout_cls
 from hybridflow.workers.rollout.engine.parallel import SINGLE, GenerationShard
 from hybridflow.workers.rollout.engine.reshard import ReshardLayout
+from hybridflow.workers.ulysses import configured_sp_size, enable_sequence_parallel, scale_token_budgets
 
 ROLES = ("actor", "rollout", "ref", "actor_ref", "actor_rollout", "actor_rollout_ref")
 
@@ -135,6 +136,10 @@ class FSDPWorkerBase(Worker):
             )
         return self._tp_meshes[tensor_parallel_size]
 
+    def _sequence_parallel(self, module, sp: int):
+        """``module`` split over Ulysses groups of ``sp`` ranks (unchanged when sp is 1)."""
+        return enable_sequence_parallel(module, sp, self.world_size, self.device_type())
+
     def register_tp_dispatch(self, mesh_name: str, tensor_parallel_size: int) -> int:
         """Declare this rank's dp rank on ``mesh_name`` (TP groups: consecutive ranks; the first one is
         collected); returns the dp degree."""
@@ -182,6 +187,9 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         self._is_ref = role in ("ref", "actor_ref", "actor_rollout_ref")
         self.actor_tp = _tp_size(self.config.actor)
         self.ref_tp = _tp_size(self.config.ref)
+        # Ulysses: groups of sp consecutive ranks share rows, as TP groups do (hybridflow.workers.ulysses)
+        self.actor_sp = configured_sp_size(self.config.actor, self.config.actor.get("fsdp_config"))
+        self.ref_sp = configured_sp_size(self.config.ref, self.config.ref.get("fsdp_config"))
         self.rollout_tp = _tp_size(self.config.rollout)
         self._register_meshes()
         self._normalise_batch_sizes()
@@ -190,9 +198,9 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         """The dp rank of this process on each mesh its role uses (the data methods dispatch by it)."""
         self.dp = {}
         if self._is_actor or self._is_rollout:  # the rollout role computes the actor's log-probs too
-            self.dp["actor"] = self.register_tp_dispatch("actor", self.actor_tp)
+            self.dp["actor"] = self.register_tp_dispatch("actor", self.actor_tp * self.actor_sp)
         if self._is_ref:
-            self.dp["ref"] = self.register_tp_dispatch("ref", self.ref_tp)
+            self.dp["ref"] = self.register_tp_dispatch("ref", self.ref_tp * self.ref_sp)
         self.layout = None
         if self._is_rollout:
             self.layout = ReshardLayout(self.world_size, self.actor_tp, self.rollout_tp)
@@ -202,6 +210,9 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
     def _normalise_batch_sizes(self) -> None:
         """Config batch sizes are global prompts (verl); each model works in responses per dp rank."""
         cfg, dp = self.config, self.dp
+        scale_token_budgets(cfg.actor, self.actor_sp, ("ppo_max_token_len_per_gpu",))
+        scale_token_budgets(cfg.rollout, self.actor_sp, ("log_prob_max_token_len_per_gpu",))
+        scale_token_budgets(cfg.ref, self.ref_sp, ("log_prob_max_token_len_per_gpu",))
         with open_dict(cfg):
             if self._is_actor:
                 responses = int(cfg.actor.ppo_mini_batch_size) * int(cfg.rollout.n)
@@ -246,7 +257,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
                 self.mesh(self.actor_tp),
                 freeze_vision=bool(cfg.actor.get("freeze_vision_tower", False)),
             )
-            self.actor_module = self.actor_parts.module
+            self.actor_module = self._sequence_parallel(self.actor_parts.module, self.actor_sp)
             self.actor = DataParallelPPOActor(
                 cfg.actor,
                 self.actor_module,
@@ -261,6 +272,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             self.actor_module = build_fsdp_module(
                 cfg.model, cfg.actor.fsdp_config, self.mesh(self.actor_tp), trainable=False
             )
+            self._sequence_parallel(self.actor_module, self.actor_sp)
         if self._is_rollout:
             self.rollout = self._build_rollout()
             self._rollout_weights_stale = False  # the rollout starts from the actor's current weights
@@ -288,10 +300,11 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         """The reference policy's weights: a LoRA actor's own module (run with the adapter off),
         else a frozen copy of the base model."""
         if self._is_actor and lora_enabled(self.config.model):
-            return self.actor_module
-        return build_fsdp_module(
+            return self.actor_module  # its SP is the actor's (the config check makes ref's equal)
+        module = build_fsdp_module(
             self.config.model, self.config.ref.fsdp_config, self.mesh(self.ref_tp), trainable=False
         )
+        return self._sequence_parallel(module, self.ref_sp)
 
     # ------------------------------------------------------------------ rollout
     @register(dispatch_mode=ROLLOUT_DISPATCH)
@@ -441,7 +454,9 @@ class CriticWorker(FSDPWorkerBase):
         super().__init__()
         config = _own_copy(config)
         self.tp = _tp_size(config)
-        dp = self.register_tp_dispatch("critic", self.tp)
+        self.sp = configured_sp_size(config, config.model.get("fsdp_config"))
+        dp = self.register_tp_dispatch("critic", self.tp * self.sp)
+        scale_token_budgets(config, self.sp, ("ppo_max_token_len_per_gpu", "forward_max_token_len_per_gpu"))
         self.config = critic_batch_sizes_per_rank(config, dp, rollout_n)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -458,6 +473,7 @@ class CriticWorker(FSDPWorkerBase):
         self.critic_parts = build_training_parts(
             cfg.model, cfg.model.fsdp_config, cfg.optim, self.mesh(self.tp), kind="token_value"
         )
+        self._sequence_parallel(self.critic_parts.module, self.sp)
         self.critic = DataParallelPPOCritic(cfg, self.critic_parts.module, self.critic_parts.optimizer)
         self.checkpoint_manager = _checkpoint_manager(
             self.critic_parts, self.tokenizer, cfg.checkpoint.save_contents

@@ -22,10 +22,19 @@ from torch import nn
 
 from hybridflow import keys
 from hybridflow.protocol import DataProto
-from hybridflow.single_controller import Dispatch, register
+from hybridflow.single_controller import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
 from hybridflow.workers.fsdp_workers import FSDPWorkerBase, _own_copy, _per_rank
 from hybridflow.workers.micro_batch import restore_order, split_micro_batches
 from hybridflow.workers.model_builder import build_fsdp_module, resolve_local_path
+from hybridflow.workers.ulysses import (
+    configured_sp_size,
+    scale_token_budgets,
+    sequence_parallel_scores,
+    sequence_parallel_state,
+)
+
+# the ranks of one Ulysses group score the same rows (one dp rank); without SP every rank is its own
+RM_DISPATCH = make_nd_compute_dataproto_dispatch_fn("rm")
 
 
 def last_valid_positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -59,6 +68,9 @@ def score_sequences(
     module.eval()
     scores = []
     for micro in micros:
+        if sequence_parallel_state(module) is not None:  # each sequence split over the SP group
+            scores.append(sequence_parallel_scores(module, micro).float().cpu())
+            continue
         mask = micro.batch[keys.ATTENTION_MASK]
         logits = module(
             input_ids=micro.batch[keys.INPUT_IDS],
@@ -76,9 +88,12 @@ class RewardModelWorker(FSDPWorkerBase):
     def __init__(self, config) -> None:
         super().__init__()
         self.config = _own_copy(config)
+        self.sp = configured_sp_size(self.config, self.config.model.get("fsdp_config"))
+        dp = self.register_tp_dispatch("rm", self.sp)
+        scale_token_budgets(self.config, self.sp, ("forward_max_token_len_per_gpu",))
         if self.config.get("micro_batch_size"):  # verl's deprecated global form
             self.config.micro_batch_size_per_gpu = _per_rank(
-                int(self.config.micro_batch_size), self.world_size, "reward_model.micro_batch_size"
+                int(self.config.micro_batch_size), dp, "reward_model.micro_batch_size"
             )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -91,6 +106,7 @@ class RewardModelWorker(FSDPWorkerBase):
         self.module = build_fsdp_module(
             cfg.model, cfg.model.fsdp_config, self.device_mesh, kind="token_value", trainable=False
         )
+        self._sequence_parallel(self.module, self.sp)
         self.rm_tokenizer = load_tokenizer(rm_path, trust_remote_code=trust)
         input_path = cfg.model.get("input_tokenizer")
         same = input_path is None or os.path.realpath(os.path.expanduser(input_path)) == os.path.realpath(
@@ -100,7 +116,7 @@ class RewardModelWorker(FSDPWorkerBase):
             None if same else load_tokenizer(resolve_local_path(input_path), trust_remote_code=trust)
         )
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=RM_DISPATCH)
     def compute_rm_score(self, data: DataProto) -> DataProto:
         """``rm_scores`` (B, T_r): the sequence score on the last attended response token."""
         cfg = self.config

@@ -38,6 +38,23 @@ from hybridflow.workers.shared_prefix import split_rows
 SP_KEY = "ulysses_sequence_parallel_size"
 
 
+def configured_sp_size(
+    section, fsdp_config=None, names: tuple[str, str] = (SP_KEY, f"fsdp_config.{SP_KEY}")
+) -> int:
+    """A role's SP size from verl's two keys: ``<role>.ulysses_sequence_parallel_size`` (its FSDP worker)
+    and ``<role>...fsdp_config.ulysses_sequence_parallel_size`` (its newer engine); ``names``: their full
+    paths, for messages. Unset or null is 1; two values other than 1 must agree (ValueError)."""
+    values = [part.get(SP_KEY) if part is not None else None for part in (section, fsdp_config)]
+    values = [1 if value is None else value for value in values]
+    for name, value in zip(names, values, strict=True):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    legacy, engine = values
+    if legacy != 1 and engine != 1 and legacy != engine:
+        raise ValueError(f"{names[0]}={legacy} and {names[1]}={engine} disagree: set one, or both the same")
+    return max(legacy, engine)
+
+
 @dataclass(frozen=True)
 class SequenceParallelState:
     """A model's sequence-parallel group (``sp`` consecutive ranks) and its data-parallel group (the
@@ -191,3 +208,45 @@ def sequence_parallel_values(model: nn.Module, micro: DataProto) -> torch.Tensor
     """Per-response-token outputs of a one-unit head (a critic's values): (b, T_k)."""
     run = sliced_forward(model, micro, sequence_parallel_state(model))
     return _whole_sequence(run.outputs[..., 0], run)
+
+
+def enable_sequence_parallel(model: nn.Module, sp: int, world: int, device_type: str) -> nn.Module:
+    """A worker's model under ``sp`` (nothing when 1): the groups, then :func:`apply_sequence_parallel`."""
+    if sp > 1:
+        apply_sequence_parallel(model, sequence_parallel_groups(world, sp, device_type))
+    return model
+
+
+def scale_token_budgets(section, sp: int, names: tuple[str, ...]) -> None:
+    """verl multiplies each ``*_max_token_len_per_gpu`` by sp: a rank holds 1/sp of each sequence, so a
+    dynamic micro-batch of sp times the tokens costs it what an SP = 1 micro-batch does. Edits
+    ``section`` (a writable config) in place."""
+    from omegaconf import open_dict
+
+    with open_dict(section):
+        for name in names:
+            if sp > 1 and section.get(name):
+                section[name] = int(section[name]) * sp
+
+
+def sequence_parallel_scores(model: nn.Module, micro: DataProto) -> torch.Tensor:
+    """(b,) a one-unit head at each row's last attended token (a reward model's score), computed split
+    over the model's SP group. ``micro`` holds ``input_ids``, ``attention_mask``, ``position_ids`` (b, T):
+    each row is packed whole (as a prompt with an empty response), rows with an empty mask excepted."""
+    mask = micro.batch[keys.ATTENTION_MASK]
+    empty = torch.nonzero(mask.sum(dim=-1) == 0).flatten().tolist()
+    if empty:
+        raise ValueError(f"sequence parallelism: rows {empty[:8]} of the micro-batch attend to no token")
+    whole_rows = DataProto.from_dict(
+        {
+            keys.INPUT_IDS: micro.batch[keys.INPUT_IDS],
+            keys.ATTENTION_MASK: mask,
+            keys.POSITION_IDS: micro.batch[keys.POSITION_IDS],
+            keys.RESPONSES: micro.batch[keys.INPUT_IDS][:, :0],
+        }
+    )
+    run = sliced_forward(model, whole_rows, sequence_parallel_state(model))
+    values = gather_sequence(run.outputs[..., 0], run.where.group, dim=1)[0, : run.where.num_tokens]
+    key_index = run.packed.attention_mask.packed_rows.key_index  # (b, K): each row's tokens in order
+    last = key_index[torch.arange(len(mask)), mask.sum(dim=-1).long() - 1]
+    return values[last]

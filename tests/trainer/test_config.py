@@ -126,8 +126,11 @@ REJECTED = [
     ("actor_rollout_ref.model.use_fused_kernels=true", "model.use_fused_kernels=True is not supported"),
     ("actor_rollout_ref.actor.use_torch_compile=true", "actor.use_torch_compile=True is not supported"),
     ("actor_rollout_ref.ref.use_torch_compile=true", "ref.use_torch_compile=True is not supported"),
-    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "sequence parallelism is not implemented"),
-    ("critic.ulysses_sequence_parallel_size=2", "critic.ulysses_sequence_parallel_size=2 is not supported"),
+    (
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=3",
+        "actor.ulysses_sequence_parallel_size=3 does not divide the role's 2 worker processes",
+    ),
+    ("critic.ulysses_sequence_parallel_size=0", "critic.ulysses_sequence_parallel_size=0 must be a positive"),
     ("actor_rollout_ref.actor.strategy=megatron", "actor.strategy='megatron' is not supported: only FSDP2"),
     ("reward_model.strategy=megatron", "reward_model.strategy='megatron' is not supported"),
     ("actor_rollout_ref.rollout.mode=server", "rollout.mode='server': use sync or async"),

@@ -1,6 +1,7 @@
 """Ulysses sequence parallelism is exact: on 4 gloo processes (fp32), SP = 2 x DP = 2 gives the log-probs,
-entropies, values, losses, gradient norms and updated parameters of SP = 1 x DP = 4 on the same batch,
-and SP = 4 x DP = 1 (kv heads repeated: 2 kv heads over 4 ranks) the same log-probs.
+entropies, values, reward-model scores, actor and critic losses, gradient norms and updated parameters of
+SP = 1 x DP = 4 on the same batch (the SP = 2 actor with gradient checkpointing: its all-to-alls run
+again in the backward), and SP = 4 x DP = 1 (2 kv heads repeated over 4 ranks) the same log-probs.
 
 The batch has odd lengths, a GRPO group sharing its prompt, and a micro-batch of one row whose 2 tokens
 are fewer than SP = 4 (two ranks hold only padding). Micro-batches hold one row.
@@ -79,8 +80,10 @@ def _parts(model_dir: str, kind: str, sp: int):
     from hybridflow.workers.model_builder import build_training_parts
     from hybridflow.workers.ulysses import apply_sequence_parallel, sequence_parallel_groups
 
+    # SP = 2 also recomputes its layers in the backward (their all-to-alls run again there)
+    checkpointing = sp == 2 and kind == "causal_lm"
     parts = build_training_parts(
-        OmegaConf.create({"path": model_dir}),
+        OmegaConf.create({"path": model_dir, "enable_gradient_checkpointing": checkpointing}),
         OmegaConf.create({}),
         OmegaConf.create({"lr": 1e-2}),
         build_device_mesh(WORLD, "cpu"),
@@ -122,6 +125,7 @@ def _layout(model_dir: str, sp: int, out_dir: str) -> None:
     values = critic.compute_values(data)
     data.batch[keys.VALUES] = values + 0.1 * data.batch[keys.RESPONSE_MASK]  # a clip range to act on
     critic_metrics = critic.update_critic(data)
+    scores = _rm_scores(model_dir, sp, data)
     result = {
         "rows": rows,
         "log_probs": log_probs,
@@ -134,8 +138,28 @@ def _layout(model_dir: str, sp: int, out_dir: str) -> None:
             float((w - initial[n]).abs().max()) for n, w in _weights(actor_parts.module).items()
         ),
         "critic_weights": _weights(critic_parts.module),
+        "scores": scores,
     }
     torch.save(result, os.path.join(out_dir, f"sp{sp}_rank{rank}.pt"))
+
+
+def _rm_scores(model_dir: str, sp: int, data: DataProto) -> torch.Tensor:
+    """A reward model's scores (the value head at each row's last attended token), one row at a time."""
+    from hybridflow.workers.fsdp_utils import build_device_mesh
+    from hybridflow.workers.model_builder import build_fsdp_module
+    from hybridflow.workers.reward_model_worker import score_sequences
+    from hybridflow.workers.ulysses import enable_sequence_parallel
+
+    module = build_fsdp_module(
+        OmegaConf.create({"path": model_dir}),
+        OmegaConf.create({}),
+        build_device_mesh(WORLD, "cpu"),
+        kind="token_value",
+        trainable=False,
+    )
+    enable_sequence_parallel(module, sp, WORLD, "cpu")
+    inputs = data.select(batch_keys=[keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS])
+    return score_sequences(module, inputs, 1)
 
 
 def _sp4_log_probs(model_dir: str, out_dir: str) -> None:
@@ -177,6 +201,8 @@ def _whole_batch(runs: dict, sp: int, name: str) -> torch.Tensor:
 
 def test_sp2_dp2_equals_sp1_dp4(sp_runs):
     mask = _batch().batch[keys.RESPONSE_MASK].bool()
+    scores = _whole_batch(sp_runs, 2, "scores"), _whole_batch(sp_runs, 1, "scores")
+    torch.testing.assert_close(*scores, rtol=0, atol=1e-5)  # the reward model's
     for name in ("log_probs", "entropy", "values"):
         got, want = _whole_batch(sp_runs, 2, name), _whole_batch(sp_runs, 1, name)
         torch.testing.assert_close(got[mask], want[mask], rtol=0, atol=1e-5, msg=name)

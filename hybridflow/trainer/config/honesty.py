@@ -1,7 +1,7 @@
 """Honest config: a key either works, or a value whose effect hybridflow does not deliver is an error.
 
 ``ppo_trainer.yaml`` carries verl's key names so verl command lines run unchanged. Some of verl's keys
-tune machinery hybridflow does not have (vLLM's CUDA graphs, Megatron, Ulysses, HDFS, ...). Those keys
+tune machinery hybridflow does not have (vLLM's CUDA graphs, Megatron, HDFS, ...). Those keys
 are accepted only at the values whose effect hybridflow delivers (verl's default, or a value that does
 the same here); any other value is reported by :func:`honesty_problems` with what to do instead, so a
 setting is never silently ignored. Keys whose every value is delivered (``use_remove_padding``: padding
@@ -20,7 +20,11 @@ import os
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from hybridflow.trainer.config.distill_honesty import distill_problems
-from hybridflow.trainer.config.parallelism import role_world_size, tensor_parallel_problems
+from hybridflow.trainer.config.parallelism import (
+    role_world_size,
+    sequence_parallel_problems,
+    tensor_parallel_problems,
+)
 from hybridflow.trainer.config.reward_loop_honesty import reward_loop_problems
 from hybridflow.trainer.config.vision_honesty import vision_problems
 
@@ -40,12 +44,7 @@ LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
     "actor_rollout_ref.model.use_liger": ((False,), "Liger kernels are not used here; remove it"),
     "actor_rollout_ref.model.use_fused_kernels": ((False,), "fused kernels are not used here; remove it"),
     "actor_rollout_ref.actor.use_torch_compile": ((False,), "nothing is torch.compile'd here; set false"),
-    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": (
-        (1,),
-        "sequence parallelism is not implemented; set 1",
-    ),
     "actor_rollout_ref.ref.use_torch_compile": ((False,), "nothing is torch.compile'd here; set false"),
-    "critic.ulysses_sequence_parallel_size": ((1,), "sequence parallelism is not implemented; set 1"),
     "reward_model.launch_reward_fn_async": (
         (False,),
         "the reward function runs in the driver between generation and the log-prob pass; set false",
@@ -409,6 +408,7 @@ def honesty_problems(config: DictConfig) -> list[str]:
     problems += _fsdp_problems(config) + _engine_kwargs_problems(config) + _trainer_problems(config)
     problems += _rollout_backend_problems(config) + _server_mode_problems(config) + _trace_problems(config)
     problems += tensor_parallel_problems(config) + vision_problems(config)
+    problems += sequence_parallel_problems(config)
     problems += reward_loop_problems(config)
     return problems + _reward_kwargs_problems(config) + distill_problems(config)
 

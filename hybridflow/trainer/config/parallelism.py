@@ -127,3 +127,98 @@ def _combination_problems(config: DictConfig, sizes: dict[str, int]) -> list[str
     if lora and max(actor, sizes.get("actor_rollout_ref.ref", 1)) > 1:
         problems.append(f"model.lora_rank > 0 with actor/ref {TP_KEY} > 1 is not supported; set 1")
     return problems
+
+
+# ----------------------------------------------------------------------------- Ulysses sequence parallelism
+SP_KEY = "ulysses_sequence_parallel_size"
+# (role section holding verl's FSDP-worker key, its fsdp_config (the newer engine's key), model path key)
+SP_SECTIONS = (
+    ("actor_rollout_ref.actor", "actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.model"),
+    ("actor_rollout_ref.ref", "actor_rollout_ref.ref.fsdp_config", "actor_rollout_ref.model"),
+    ("critic", "critic.model.fsdp_config", "critic.model"),
+    ("reward_model", "reward_model.model.fsdp_config", "reward_model.model"),
+)
+
+
+def _sp_in_use(config: DictConfig, section: str) -> bool:
+    from hybridflow.utils.roles import need_critic, need_reference
+
+    if section == "critic":
+        return need_critic(config)
+    if section == "reward_model":
+        return bool(config.reward_model.get("enable", False))
+    if section == "actor_rollout_ref.ref":
+        return need_reference(config)
+    return True
+
+
+def sequence_parallel_sizes(config: DictConfig) -> tuple[dict[str, int], list[str]]:
+    """Each role's SP size (:func:`hybridflow.workers.ulysses.configured_sp_size`) and the problems of
+    reading them (a bad value, the two keys disagreeing)."""
+    from hybridflow.workers.ulysses import configured_sp_size
+
+    sizes, problems = {}, []
+    for section, fsdp_path, _ in SP_SECTIONS:
+        names = (f"{section}.{SP_KEY}", f"{fsdp_path}.{SP_KEY}")
+        try:
+            sizes[section] = configured_sp_size(
+                OmegaConf.select(config, section), OmegaConf.select(config, fsdp_path), names
+            )
+        except ValueError as error:
+            problems.append(str(error))
+    return sizes, problems
+
+
+def sequence_parallel_problems(config: DictConfig) -> list[str]:
+    """One line per Ulysses setting that cannot run (empty: sound). Checked: the size divides the role's
+    worker processes and the model's heads (verl's rule for kv heads), and is not combined with what
+    splits heads or sequences otherwise (tensor parallelism, another attention implementation)."""
+    from hybridflow.utils.ulysses import head_split_problem
+
+    sizes, problems = sequence_parallel_sizes(config)
+    for section, fsdp_path, model_path in SP_SECTIONS:
+        sp = sizes.get(section, 1)
+        if sp == 1 or not _sp_in_use(config, section):
+            continue
+        key = f"{section}.{SP_KEY}={sp}"
+        world = role_world_size(config, fsdp_path)
+        if world % sp:
+            problems.append(f"{key} does not divide the role's {world} worker processes")
+        facts = _model_sizes(OmegaConf.select(config, f"{model_path}.path"))
+        if facts is not None and facts["num_attention_heads"]:
+            problem = head_split_problem(facts["num_attention_heads"], facts["num_key_value_heads"], sp)
+            problems += [f"{key}: {problem}"] if problem else []
+        if _is_vision_language(OmegaConf.select(config, f"{model_path}.path")):
+            problems.append(f"{key}: a vision-language model's image inputs are not split; set 1")
+        if int(OmegaConf.select(config, f"{section}.{TP_KEY}", default=1) or 1) > 1:
+            problems.append(
+                f"{key} with {section}.{TP_KEY} > 1: both split the attention heads of one model; use one"
+            )
+        override = OmegaConf.select(config, f"{model_path}.override_config.attn_implementation", default=None)
+        if override not in (None, "hybridflow_cpu"):
+            problems.append(
+                f"{key} with {model_path}.override_config.attn_implementation={override}: sequence "
+                "parallelism runs in hybridflow's packed attention; remove the override"
+            )
+    return problems + _sp_combination_problems(config, sizes)
+
+
+def _is_vision_language(path) -> bool:
+    file = os.path.join(os.path.expanduser(str(path)), "config.json")
+    if not path or not os.path.isfile(file):
+        return False
+    with open(file) as handle:
+        return "vision_config" in json.load(handle)
+
+
+def _sp_combination_problems(config: DictConfig, sizes: dict[str, int]) -> list[str]:
+    from hybridflow.utils.roles import need_reference
+
+    actor, ref = sizes.get("actor_rollout_ref.actor", 1), sizes.get("actor_rollout_ref.ref", 1)
+    lora = int(config.actor_rollout_ref.model.get("lora_rank", 0) or 0) > 0
+    if lora and need_reference(config) and actor != ref:
+        return [
+            f"model.lora_rank > 0: the reference is the actor's own module (adapter off), so "
+            f"actor_rollout_ref.ref.{SP_KEY}={ref} must equal the actor's {actor}"
+        ]
+    return []
