@@ -38,6 +38,9 @@ def test_engine_top_k_equals_hf_forward(arch):
         torch.testing.assert_close(got.top_log_probs.double(), want_values, atol=2e-5, rtol=0)
         own = log_probs.gather(-1, torch.tensor(ids[start:]).unsqueeze(-1)).squeeze(-1)
         torch.testing.assert_close(got.token_log_probs.double(), own, atol=2e-5, rtol=0)
+    engine.step_in_thread = True  # the server's way: in the engine's step thread, the same numbers
+    threaded = asyncio.run(engine.score(sequences, starts, k))
+    assert all(torch.equal(a.top_log_probs, b.top_log_probs) for a, b in zip(scored, threaded, strict=True))
     # the engine generated nothing and held no cache slot
     assert engine.stats["prefill_tokens"] == 0 and not engine.cache.allocated
 

@@ -227,18 +227,10 @@ class LLMEngine:
                 self.abort(request.request_id)
 
     async def score(self, sequences: list[list[int]], starts: list[int], k: int, temperature: float = 1.0):
-        """Top-``k`` log-probs at positions ``starts[i]:`` of each sequence, generating nothing
-        (:mod:`.scoring`); with ``step_in_thread`` in the engine's thread, between its steps."""
-        from hybridflow.workers.rollout.engine.scoring import check_scoring_request, score_sequences
+        """Top-``k`` log-probs at ``starts[i]:`` of each sequence, generating nothing (:mod:`.scoring`)."""
+        from hybridflow.workers.rollout.engine.scoring import score_in_engine
 
-        for ids, start in zip(sequences, starts, strict=True):
-            check_scoring_request(ids, start, k, self.model.full_spec.vocab_size, self.max_model_len)
-        if not self.step_in_thread:
-            return score_sequences(self.model, sequences, starts, k, temperature)
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
-        run = lambda: score_sequences(self.model, sequences, starts, k, temperature)  # noqa: E731
-        return await asyncio.get_running_loop().run_in_executor(self._executor, run)
+        return await score_in_engine(self, sequences, starts, k, temperature)
 
     def _ensure_loop(self) -> None:
         loop = asyncio.get_running_loop()

@@ -16,6 +16,8 @@ length, for a response). The returned ``token_log_probs`` are the log-probs of `
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -100,3 +102,17 @@ def score_sequences(
             )
         )
     return scored
+
+
+async def score_in_engine(engine, sequences: list[list[int]], starts: list[int], k: int, temperature: float):
+    """:meth:`LLMEngine.score`: the requests checked, then :func:`score_sequences` on the engine's model;
+    with ``step_in_thread`` in the engine's step thread, so scoring never runs during a step and the
+    event loop keeps answering."""
+    for ids, start in zip(sequences, starts, strict=True):
+        check_scoring_request(ids, start, k, engine.model.full_spec.vocab_size, engine.max_model_len)
+    if not engine.step_in_thread:
+        return score_sequences(engine.model, sequences, starts, k, temperature)
+    if engine._executor is None:
+        engine._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+    run = lambda: score_sequences(engine.model, sequences, starts, k, temperature)  # noqa: E731
+    return await asyncio.get_running_loop().run_in_executor(engine._executor, run)
