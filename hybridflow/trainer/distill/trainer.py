@@ -52,6 +52,12 @@ class OnPolicyDistillTrainer(RayPPOTrainer):
         if self.depth:  # a batch from older weights differs from the actor's recompute by design
             self.log_prob_gap_limit = None
 
+    def fit(self) -> dict[str, float]:
+        try:
+            return super().fit()
+        finally:
+            self.teacher.close()  # its event-loop thread and connections
+
     def collect_rollouts(self, data_iter, metrics: dict, timing: dict):
         """The batch to train at this step (module docstring), generated up to d steps ago."""
         if self._generated is None:
