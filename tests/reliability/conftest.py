@@ -124,8 +124,11 @@ class Run:
 
 @pytest.fixture
 def main_ppo(tiny_model_dir, arithmetic_data, tmp_path):
-    """``start(**overrides) -> Run``: a small GRPO run (4 prompts x 2 responses, 2 workers, jsonl log)
-    saving under ``tmp_path/ckpt`` unless overridden. Everything it started is killed at teardown."""
+    """``start(**overrides) -> Run``: a small GRPO run (4 prompts x 2 responses, jsonl log) saving under
+    ``tmp_path/ckpt`` unless overridden. One worker process unless a test asks for more
+    (``trainer__n_gpus_per_node=2``): signals, saves and scorers behave alike at any world size, and
+    each extra worker costs a run ~9 CPU-seconds of start-up on the suite's two shared cores.
+    Everything it started is killed at teardown."""
     runs: list[Run] = []
 
     def start(**overrides) -> Run:
@@ -133,7 +136,7 @@ def main_ppo(tiny_model_dir, arithmetic_data, tmp_path):
             tiny_model_dir,
             arithmetic_data,
             tmp_path / "ckpt",
-            **{"trainer.experiment_name": EXPERIMENT, "ray_init.num_cpus": 4},
+            **{"trainer.experiment_name": EXPERIMENT, "ray_init.num_cpus": 4, "trainer.n_gpus_per_node": 1},
         )
         values.update({key.replace("__", "."): value for key, value in overrides.items()})
         run = Run(tmp_path, values)

@@ -51,7 +51,7 @@ def test_kill_9_of_the_driver_mid_save_keeps_the_previous_checkpoint(main_ppo, t
 
 def test_kill_9_of_a_worker_mid_save_ends_the_run_naming_it(main_ppo, tmp_path):
     root = tmp_path / "ckpt"
-    run = main_ppo(trainer__total_training_steps=4, trainer__save_freq=1)
+    run = main_ppo(trainer__total_training_steps=4, trainer__save_freq=1, trainer__n_gpus_per_node=2)
     run.wait_until(lambda: (root / "global_step_2" / "actor.tmp").exists(), 120, "the save of step 2", 0.002)
     workers = [pid for pid in run.record_descendants() if _cmdline(pid).startswith("ray::Colocated")]
     assert len(workers) == 2, [(pid, _cmdline(pid)) for pid in run.seen]
