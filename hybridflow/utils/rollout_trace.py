@@ -54,6 +54,7 @@ REFUSED_BACKENDS = {
     "needs the full mlflow; docs/agent_loops.md#trace)",
 }
 MAX_LIST = 65_536  # longer lists are cut in a record (with a note of the full length)
+_NUMBERS = (int, float, bool, str)
 _trace_enabled: ContextVar[bool] = ContextVar("_trace_enabled", default=True)
 _sample: ContextVar[dict | None] = ContextVar("_rollout_trace_sample", default=None)
 
@@ -343,6 +344,8 @@ def to_jsonable(value, depth: int = 0):
         return {str(k): to_jsonable(v, depth + 1) for k, v in value.items()}
     if isinstance(value, list | tuple | set | frozenset):
         items = list(value)
+        if len(items) <= MAX_LIST and all(type(v) in _NUMBERS for v in items):  # token ids, log-probs
+            return items
         out = [to_jsonable(v, depth + 1) for v in items[:MAX_LIST]]
         if len(items) > MAX_LIST:
             out.append(f"... ({len(items)} items)")
