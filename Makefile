@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export RAY_DEDUP_LOGS := 0
 
-.PHONY: install demo test lint clean-venv
+.PHONY: install demo test test-slow lint clean-venv
 
 # After the stamp, always (cheap, idempotent): the verl alias start hook, hybridflow_verl_alias.pth in
 # the venv's site-packages (hybridflow/verl_compat.py). pip's editable install ships it too (build_hooks.py);
@@ -36,6 +36,11 @@ demo: install
 
 test: install
 	bash scripts/run_tests.sh $(PY)
+
+# The fault-injection tier (pytest marker `slow`, see pyproject.toml): kills, signals, full disks, hung
+# scorers and lost nodes against whole running processes, and timed runs compared. CI runs it after `make test`.
+test-slow: install
+	HYBRIDFLOW_TEST_TIER=slow bash scripts/run_tests.sh $(PY)
 
 lint: install
 	$(VENV)/bin/ruff check hybridflow tests scripts

@@ -26,6 +26,8 @@ from hybridflow.utils.checkpoint.tracker import read_latest_checkpointed_iterati
 from hybridflow.utils.process_reaper import descendants
 from tests.tiny_run import as_overrides, tiny_run_values
 
+pytestmark = pytest.mark.slow  # make test-slow: a two-node Ray cluster, three main_ppo processes on it
+
 ENV = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
 COMPARED = ["critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm"]
 

@@ -19,6 +19,8 @@ from hybridflow.profile_placement import measure_run, profile
 from hybridflow.trainer.config import load_config
 from hybridflow.trainer.ppo.workers_setup import build_worker_groups
 
+pytestmark = pytest.mark.slow  # make test-slow: eight timed training runs of a 1M-parameter model
+
 ROUNDS, STEPS = 2, 5
 MODEL = {"hidden_size": 128, "num_layers": 4, "intermediate_size": 352}
 CANDIDATES = {

@@ -8,6 +8,8 @@ import pytest
 
 from hybridflow.utils.checkpoint.tracker import read_latest_checkpointed_iteration
 
+pytestmark = pytest.mark.slow  # make test-slow: a main_ppo process per test, against a broken disk
+
 
 def _assert_fails_before_any_step(run, *expected: str) -> None:
     started = time.monotonic()

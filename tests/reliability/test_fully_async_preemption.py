@@ -5,10 +5,13 @@ trains each remaining step once."""
 import os
 import signal
 
+import pytest
+
 from hybridflow.utils.checkpoint.tracker import read_latest_checkpointed_iteration
 from tests.reliability.conftest import EXPERIMENT, Run
 from tests.tiny_run import tiny_run_values
 
+pytestmark = pytest.mark.slow  # make test-slow: fully_async_main signalled in its own process, then rerun
 
 def _start(tiny_model_dir, arithmetic_data, tmp_path) -> Run:
     values = tiny_run_values(

@@ -7,8 +7,11 @@ import os
 import signal
 import time
 
+import pytest
+
 from hybridflow.utils.checkpoint.tracker import find_latest_ckpt_path, read_latest_checkpointed_iteration
 
+pytestmark = pytest.mark.slow  # make test-slow: main_ppo signalled or killed in its own process, then rerun
 
 def test_sigterm_saves_the_step_exits_143_and_a_rerun_resumes(main_ppo, tmp_path):
     run = main_ppo(trainer__total_training_steps=5)

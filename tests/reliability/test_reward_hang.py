@@ -5,6 +5,10 @@ the sample (the default on_score_error=raise), or validates and trains on with t
 import json
 import time
 
+import pytest
+
+pytestmark = pytest.mark.slow  # make test-slow: main_ppo with a hanging scorer, in its own process
+
 HANGING_REWARD = """
 import time
 

@@ -263,6 +263,7 @@ def test_slow_samples_and_slow_updates_keep_the_bound_and_the_data(
     assert mean_length[1] == pytest.approx(mean_length[0], rel=0.05)
 
 
+@pytest.mark.slow  # make test-slow: a process of a running fully-async run killed, twice
 @pytest.mark.parametrize(
     ("victim_class", "named"),
     [("StandaloneRolloutWorker", "rollout"), ("Colocated_actor", "actor")],

@@ -182,6 +182,7 @@ def test_a_loop_that_raises_names_itself_and_the_sample(groups, tiny_model_dir, 
     assert math.isfinite(_run(config, tmp_path, groups)[1]["actor/pg_loss"])
 
 
+@pytest.mark.slow  # make test-slow: a rank of a running run killed (its own worker processes)
 def test_a_rank_dying_mid_rollout_is_an_error_naming_it(
     ray_session, tiny_model_dir, arithmetic_data, tmp_path
 ):
