@@ -15,7 +15,7 @@ from hybridflow.algorithms.advantage import (
     get_adv_estimator_fn,
     register_adv_est,
 )
-from hybridflow.algorithms.distillation import DISTILL_LOSSES, DistillConfig
+from hybridflow.algorithms.distillation import DISTILL_LOSSES, DistillConfig  # noqa: F401  (not verl's)
 from hybridflow.algorithms.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -41,7 +41,6 @@ from hybridflow.utils.registry import Registry, RegistryError
 
 __all__ = [
     "ADV_ESTIMATORS",
-    "DISTILL_LOSSES",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
@@ -49,7 +48,6 @@ __all__ = [
     "AdvantageFn",
     "AdvantageInputs",
     "AdvantageOutput",
-    "DistillConfig",
     "FixedKLController",
     "GlobalBatchInfo",
     "KLController",
