@@ -63,6 +63,7 @@ def sft_warm_start(
     from hybridflow.utils.mrope import mrope_position_ids
 
     torch.manual_seed(seed)
+    torch.set_num_threads(2)  # the whole machine: the example runs alone (heavy lock)
     rng = random.Random(seed)
     tokenizer = load_tokenizer(model_dir)
     from hybridflow.utils.dataset.multimodal import load_processor
