@@ -265,8 +265,11 @@ def rollout_trace_op(func):
             "error": None if error is None else f"{type(error).__name__}: {error}",
             "pid": os.getpid(),
         }
-        tokenizer = getattr(self, "tokenizer", None) or config.tokenizer
-        config.client.put(record, tokenizer if config.token2text else None)
+        tokenizer = None
+        if config.token2text:  # `is None`: a tokenizer's truth value is its vocabulary size
+            tokenizer = getattr(self, "tokenizer", None)
+            tokenizer = config.tokenizer if tokenizer is None else tokenizer
+        config.client.put(record, tokenizer)
 
     @functools.wraps(func)
     async def async_wrapper(self, *args, **kwargs):
