@@ -26,8 +26,8 @@ call) waits until what was queued is written.
 it is cancelled; an aborted generation returns (``stop_reason="aborted"``) and is recorded as such. A
 sample's records carry ``seq``, its call count in this process in the order the calls started, which
 continues when the sample is resumed here (partial rollout), and ``t_start``; the reader orders by
-``t_start``. Which samples are
-traced is decided once per (step, dataset index) in a worker, so a resumed group is traced again.
+``t_start``. Which samples are traced is decided once per (step, dataset index) in a worker, so a
+resumed group is traced again.
 """
 
 from __future__ import annotations
