@@ -78,3 +78,44 @@ def test_grpo_steps_colocated_and_standalone(ray_session, tiny_model_dir, arithm
             assert step["reward/samples"] == 8 and step["reward/failures/error"] == 0
             assert step["reward/judge_latency_p95_s"] > 0 and "reward/genrm/mean" in step
             assert step["reward/exposed_s"] >= 0
+
+
+def test_fully_async_scores_in_the_rollouters_stream(
+    ray_session, vllm_model_dir, arithmetic_data, judge, tmp_path
+):
+    """fully_async_main with the reward loop: each sample judged in its agent loop inside the rollouter's
+    stream (2 steps, on-policy), every one through the GenRM."""
+    from hybridflow.trainer.fully_async.main import run_fully_async
+
+    values = tiny_run_values(
+        vllm_model_dir,
+        arithmetic_data,
+        tmp_path / "ckpt",
+        **{
+            "trainer.n_gpus_per_node": 1,
+            "trainer.experiment_name": "fully_async",
+            "trainer.resume_mode": "disable",
+            "trainer.total_training_steps": 2,
+            "trainer.rollout_data_dir": str(tmp_path / "rollouts"),
+            "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+            "async_training.staleness_threshold": 0,
+            "async_training.trigger_parameter_sync_step": 1,
+            "async_training.partial_rollout": False,
+            "async_training.use_rollout_log_probs": False,
+            "reward_model.use_reward_loop": True,
+            "reward_model.reward_manager": "limited",
+            "reward_model.max_concurrent": 4,
+            "+reward_model.reward_kwargs.reward_router_address": judge.removeprefix("http://"),
+            "+reward_model.reward_kwargs.judge_model": "judge",
+            "custom_reward_function.path": JUDGE,
+        },
+    )
+    config = load_config(as_overrides(values), config_name="fully_async_ppo_trainer")
+    before = sum(httpx.get(f"{judge}/router/stats").json()["sent"])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        run_fully_async(config)
+    judged = sum(httpx.get(f"{judge}/router/stats").json()["sent"]) - before
+    rows = [json.loads(line) for step in (1, 2) for line in (tmp_path / "rollouts" / f"{step}.jsonl").open()]
+    assert len(rows) == 2 * 8 and judged >= len(rows)  # every trained sample was judged in the stream
+    assert all(row["score"] in (0.0, 1.0) for row in rows)

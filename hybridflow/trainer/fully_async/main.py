@@ -164,10 +164,15 @@ def build(config: DictConfig, view: DictConfig, groups, rollout_group):
     loader_view = OmegaConf.merge(view, {"data": {"train_batch_size": int(config.data.gen_batch_size)}})
     train_loader, val_loader = build_dataloaders(loader_view, tokenizer)
     max_length = int(view.data.max_response_length)
-    reward = [
-        build_reward_manager(view.reward_model, view.custom_reward_function, tokenizer, k, max_length)
-        for k in (0, 1)  # training (no examples printed), validation (one)
-    ]
+    if view.reward_model.get("use_reward_loop", False):  # scored in the stream, in each sample's agent loop
+        from hybridflow.workers.reward_loop import RewardLoop
+
+        reward = [RewardLoop(view, tokenizer), RewardLoop(view, tokenizer)]
+    else:
+        reward = [
+            build_reward_manager(view.reward_model, view.custom_reward_function, tokenizer, k, max_length)
+            for k in (0, 1)  # training (no examples printed), validation (one)
+        ]
     rollout_group.init_model()  # waits for the rollout processes
     manager = AgentLoopManager(view, rollout_group)
     queue = GroupQueue(capacity=admission_bound(config))
