@@ -147,9 +147,20 @@ def _packed_forward(module, query, key, value, mask, packed: PackedRows, dropout
             query, key, value, mask, packed, lambda q, k, v, m: grouped_attention(q, k, v, m, scale)
         )
 
+    # One row queried whole (a single sequence, as under sequence parallelism with one per micro-batch):
+    # its mask is plain causal, which SDPA's flash kernel applies without reading the (Q, K) mask.
+    causal = rows == 1 and max_queries == packed.key_index.shape[1]
+
     def sdpa(q, k, v, m):
         return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=m, dropout_p=dropout, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+            q,
+            k,
+            v,
+            attn_mask=None if causal else m,
+            dropout_p=dropout,
+            scale=scale,
+            is_causal=causal,
+            enable_gqa=q.shape[1] != k.shape[1],
         )
 
     return packed_attention(query, key, value, mask, packed, sdpa)

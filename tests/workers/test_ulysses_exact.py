@@ -243,3 +243,21 @@ def test_head_split_rule_and_padding():
     assert "num_attention_heads=6" in head_split_problem(6, 2, 4)
     assert "num_key_value_heads=3" in head_split_problem(6, 3, 2)
     assert [padded_length(n, 4) for n in (0, 1, 4, 5, 8)] == [4, 4, 4, 8, 8]
+
+
+def test_a_single_packed_row_takes_sdpas_causal_kernel(monkeypatch):
+    """A long single sequence (one row per micro-batch, SP's case) leaves the matmul form for SDPA; its
+    mask is then plain causal and SDPA gets ``is_causal`` instead of the (Q, K) mask: same output."""
+    from hybridflow.models import attention
+    from hybridflow.workers.packed_rows import plan_packed_rows
+
+    data = _batch().select_idxs(torch.tensor([0]))
+    packed = plan_packed_rows(data, T_P + T_R, always=True)
+    tokens = packed.input_ids.shape[1]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, tokens, 8, generator=gen) for heads in (4, 2, 2))
+    module = torch.nn.Module().eval()
+    matmul, _ = attention.cpu_attention_forward(module, q, k, v, packed.attention_mask)
+    monkeypatch.setattr(attention, "EAGER_MAX_BYTES", 0)
+    sdpa, _ = attention.cpu_attention_forward(module, q, k, v, packed.attention_mask)
+    torch.testing.assert_close(sdpa, matmul, rtol=0, atol=1e-5)
