@@ -14,8 +14,9 @@ a served teacher, against GRPO alone at the same wall clock.
 4. ``summary``: one JSON line per run (greedy accuracy before / after, points gained, seconds) and
    ``distill_vs_grpo.png`` (validation accuracy against wall-clock seconds).
 
-Each stage is one heavy job (run them one at a time on a shared machine). Everything is the real stack:
-Ray worker groups, FSDP2 over gloo, the engine, an HTTP teacher.
+``models`` = ``teacher`` then ``student`` (each its own stage too). Each stage is one heavy job (run them
+one at a time on a shared machine). The student runs are the real stack: Ray worker groups, FSDP2 over
+gloo, the engine, an HTTP teacher.
 """
 
 from __future__ import annotations
@@ -39,7 +40,11 @@ VAL_KEY = "val-core/hybridflow/arithmetic/reward/mean@1"
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="outputs/distill_example")
-    parser.add_argument("--stage", default="all", choices=("all", "models", "distill", "grpo", "summary"))
+    parser.add_argument(
+        "--stage",
+        default="all",
+        choices=("all", "models", "teacher", "student", "distill", "grpo", "summary"),
+    )
     parser.add_argument("--minutes", type=float, default=10.0, help="wall clock of each student run")
     parser.add_argument("--teacher-sft-steps", type=int, default=1200)
     parser.add_argument("--student-sft-steps", type=int, default=450)
@@ -72,7 +77,7 @@ def quickstart_args(args, out: Path, steps: int, error_rate: float) -> argparse.
     )
 
 
-def build_models(args, out: Path) -> None:
+def build_models(args, out: Path, which: tuple[str, ...] = ("teacher", "student")) -> None:
     """The task data and the tiny base model (the quickstart's ``prepare``), then the teacher (fine-tuned
     on correct answers) and the student (warm-started on the weak teacher's answers) from that base: one
     tokenizer, so the teacher can score the student's ids."""
@@ -87,6 +92,8 @@ def build_models(args, out: Path) -> None:
         ("teacher", strong_sft, args.teacher_sft_steps),
         ("student", weak_sft, args.student_sft_steps),
     ):
+        if name not in which:
+            continue
         seconds = fine_tune(base, data, out / name / "sft_model", steps, args.seed)
         accuracy = greedy_accuracy(out / name / "sft_model", test)
         line = {"model": name, "sft_steps": steps, "sft_s": round(seconds, 1), "greedy_accuracy": accuracy}
@@ -319,8 +326,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    if args.stage in ("all", "models"):
-        build_models(args, out)
+    if args.stage in ("all", "models", "teacher", "student"):
+        build_models(args, out, ("teacher", "student") if args.stage in ("all", "models") else (args.stage,))
     if args.stage in ("all", "distill"):
         distill(args, out)
     if args.stage in ("all", "grpo"):
