@@ -43,6 +43,7 @@ def test_verl_command_line_trains_two_grpo_steps_on_images(
         "trainer.val_before_train": False,
         "trainer.resume_mode": "disable",
         "trainer.total_training_steps": 2,
+        "trainer.save_freq": 2,
         "trainer.default_local_dir": str(tmp_path / "ckpt"),
         "trainer.experiment_name": "vlm",
     }
@@ -58,3 +59,35 @@ def test_verl_command_line_trains_two_grpo_steps_on_images(
         # rollout (HF generate with the images) against the actor's FSDP2 recompute, image prompts
         assert metrics[step]["training/rollout_log_probs_diff_max"] < 1e-4, metrics[step]
     assert metrics[2]["actor/grad_norm"] > 0
+    _merged_model_generates_from_images(tmp_path / "ckpt" / "global_step_2" / "actor", tmp_path / "hf", test)
+
+
+def _merged_model_generates_from_images(checkpoint, target, test_file):
+    """model_merger exports a Qwen2_5_VLForConditionalGeneration directory (with its processor) that
+    transformers loads and generates from, images in the prompt."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from hybridflow.model_merger import merge_fsdp_checkpoint
+    from hybridflow.models.loading import load_tokenizer
+    from hybridflow.utils.dataset import RLHFDataset
+    from hybridflow.utils.dataset.multimodal import load_processor
+
+    merge_fsdp_checkpoint(checkpoint, target)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(target)
+    tokenizer = load_tokenizer(target)
+    processor = load_processor(target, tokenizer)
+    assert processor is not None  # preprocessor_config.json travelled with the checkpoint
+    item = RLHFDataset(test_file, tokenizer, {"max_prompt_length": 24}, processor=processor)[0]
+    ids = torch.tensor([item["raw_prompt_ids"]])
+    images = item["multi_modal_inputs"]
+    output = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        pixel_values=images["pixel_values"],
+        image_grid_thw=images["image_grid_thw"],
+        mm_token_type_ids=(ids == processor.image_token_id).int(),
+        max_new_tokens=3,
+        do_sample=False,
+    )
+    assert output.shape[1] > ids.shape[1]
