@@ -38,6 +38,9 @@ class PackedRows:
     query_index: torch.Tensor  # (b, Q) packed token of query slot i of row r (0 in unused slots)
     key_index: torch.Tensor  # (b, K) packed token of key slot j of row r (0 in unused slots)
     token_slot: torch.Tensor  # (N,) flat query slot (r * Q + i) that computes each packed token
+    # one row queried whole (a single sequence): its mask is plain causal and the carried (1, 1, Q, K)
+    # mask is a stride-0 placeholder, never read (an O(T^2) mask is 64 MiB at 8k tokens)
+    causal: bool = False
 
 
 def packed_attention(
@@ -142,14 +145,17 @@ def _packed_forward(module, query, key, value, mask, packed: PackedRows, dropout
     rows, max_queries = packed.query_index.shape
     weight_bytes = rows * query.shape[1] * max_queries * packed.key_index.shape[1] * 4
     dropout = dropout if module.training else 0.0
+    # One row queried whole (a single sequence, as under sequence parallelism with one per micro-batch):
+    # its mask is plain causal. SDPA's flash kernel applies that without a mask; given the (Q, K) bool
+    # mask it saves a float copy of it per layer for the backward (256 MiB a layer at 8k tokens).
+    causal = packed.causal or (rows == 1 and max_queries == packed.key_index.shape[1])
     if query.device.type == "cpu" and weight_bytes <= EAGER_MAX_BYTES and dropout == 0:
+        if packed.causal:  # the carried mask is a placeholder: the causal mask, small on this path
+            mask = torch.ones(max_queries, max_queries, dtype=torch.bool, device=query.device)
+            mask = mask.tril()[None, None]
         return packed_attention(
             query, key, value, mask, packed, lambda q, k, v, m: grouped_attention(q, k, v, m, scale)
         )
-
-    # One row queried whole (a single sequence, as under sequence parallelism with one per micro-batch):
-    # its mask is plain causal, which SDPA's flash kernel applies without reading the (Q, K) mask.
-    causal = rows == 1 and max_queries == packed.key_index.shape[1]
 
     def sdpa(q, k, v, m):
         return torch.nn.functional.scaled_dot_product_attention(

@@ -41,7 +41,8 @@ class PackedInputs:
 
     input_ids: torch.Tensor  # (1, N)
     position_ids: torch.Tensor  # (1, N) each token's position in its own padded row
-    attention_mask: torch.Tensor  # (b, 1, Q, K) bool, True = may attend; ``.packed_rows`` set
+    attention_mask: torch.Tensor  # (b, 1, Q, K) bool, True = may attend; ``.packed_rows`` set (one
+    # row queried whole: a stride-0 placeholder, ``packed_rows.causal``; the attention applies causal)
     kept_positions: torch.Tensor  # (M,) packed tokens whose outputs predict some response token
     predictor: torch.Tensor  # (b, T_k) index into kept_positions predicting response token t
     valid: torch.Tensor  # (b, T_k) bool, response token t exists in the row
@@ -110,10 +111,15 @@ def _build(rows, groups: list[list[int]], device: torch.device) -> PackedInputs:
             query_index[r, : len(q)] = torch.tensor(q, dtype=torch.long)
             query_key_slot[r, : len(q)] = torch.arange(first_key[r], first_key[r] + len(q))
             token_slot[torch.tensor(q, dtype=torch.long)] = r * max_queries + torch.arange(len(q))
-    key_slots = torch.arange(max_keys)
-    mask = (key_slots[None, None, :] <= query_key_slot[:, :, None]) & (
-        key_slots[None, None, :] < key_count[:, None, None]
-    )  # unused query slots attend to key slot 0 only (a finite softmax row, never read)
+    # one row queried whole (a single sequence): plain causal; no O(T^2) mask (PackedRows.causal)
+    whole_row = num_rows == 1 and max_queries == max_keys == num_tokens
+    if whole_row:
+        mask = torch.ones(1, 1, 1, dtype=torch.bool, device=device).expand(1, max_queries, max_keys)
+    else:
+        key_slots = torch.arange(max_keys)
+        mask = (key_slots[None, None, :] <= query_key_slot[:, :, None]) & (
+            key_slots[None, None, :] < key_count[:, None, None]
+        )  # unused query slots attend to key slot 0 only (a finite softmax row, never read)
     kept = sorted({t for p in predict for t in p})
     kept_at = {t: j for j, t in enumerate(kept)}
     longest = max(1, max(len(p) for p in predict))
@@ -125,7 +131,7 @@ def _build(rows, groups: list[list[int]], device: torch.device) -> PackedInputs:
             valid[r, : len(p)] = True
     attention_mask = mask.unsqueeze(1).to(device)
     attention_mask.packed_rows = PackedRows(
-        query_index.to(device), key_index.to(device), token_slot.to(device)
+        query_index.to(device), key_index.to(device), token_slot.to(device), causal=whole_row
     )
     return PackedInputs(
         torch.tensor([ids], dtype=torch.long, device=device),

@@ -145,3 +145,26 @@ def test_the_layout_is_chosen_by_its_token_count():
     gap = _batch()
     gap.batch[keys.ATTENTION_MASK][0, PROMPT_LEN + 1] = 0  # an unattended column inside a response
     assert packed_rows.plan_packed_rows(gap, PROMPT_LEN + RESPONSE_LEN) is None
+
+
+def test_a_single_row_carries_no_quadratic_mask(monkeypatch):
+    """One row queried whole (SP's one long sequence per micro-batch) is plain causal: the plan carries
+    a stride-0 placeholder, not a (Q, K) mask, and both attention paths (matmul form, SDPA) give
+    causal attention over the packed tokens."""
+    data = _batch().select_idxs(torch.tensor([3]))  # prompt 1 (6 tokens), 3 response tokens
+    plan = packed_rows.plan_packed_rows(data, PROMPT_LEN + RESPONSE_LEN, always=True)
+    tokens = plan.input_ids.shape[1]
+    assert tokens == 9 and plan.attention_mask.packed_rows.causal
+    assert plan.attention_mask.shape == (1, 1, tokens, tokens)
+    assert plan.attention_mask.untyped_storage().nbytes() == 1  # one bool, whatever the length
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, tokens, 8, generator=gen, dtype=torch.float64) for heads in (4, 2, 2))
+    scores = torch.einsum("hqd,hkd->hqk", q[0], k[0].repeat_interleave(2, dim=0)) * 8**-0.5
+    scores = scores.masked_fill(~torch.ones(tokens, tokens, dtype=torch.bool).tril(), float("-inf"))
+    want = torch.einsum("hqk,hkd->qhd", scores.softmax(-1), v[0].repeat_interleave(2, dim=0))[None]
+    module = torch.nn.Module().eval()
+    matmul, _ = attention.cpu_attention_forward(module, q, k, v, plan.attention_mask)
+    monkeypatch.setattr(attention, "EAGER_MAX_BYTES", 0)
+    sdpa, _ = attention.cpu_attention_forward(module, q, k, v, plan.attention_mask)
+    torch.testing.assert_close(matmul, want, rtol=0, atol=1e-10)
+    torch.testing.assert_close(sdpa, want, rtol=0, atol=1e-10)
