@@ -185,7 +185,7 @@ def summarise(metrics_file: Path, chance: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="outputs/vlm_example")
-    parser.add_argument("--sft-minutes", type=float, default=3.0)
+    parser.add_argument("--sft-minutes", type=float, default=4.0)
     parser.add_argument("--teacher-accuracy", type=float, default=0.4)
     parser.add_argument("--grpo-minutes", type=float, default=10.0)
     parser.add_argument("--test-freq", type=int, default=10)

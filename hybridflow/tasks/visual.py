@@ -2,7 +2,7 @@
 
 Each image is ``IMAGE_SIZE x IMAGE_SIZE`` (56) pixels on black, cut into a 2 x 2 grid of 28-pixel cells
 (with Qwen2-VL's 14-pixel patches merged 2 x 2, one image token per cell: 4 tokens per image). A shape
-is a filled 12-pixel square placed at a random offset inside its cell. Three question types, the same
+is a filled 20-pixel square placed at a random offset inside its cell. Three question types, the same
 question text for every image of a type, so the text alone never tells the answer:
 
 =========  ============================================  =====================  ======
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 IMAGE_SIZE = 56
 CELL = 28
-SQUARE = 12
+SQUARE = 20
 DATA_SOURCE = "hybridflow/visual"
 
 COLOURS = {"red": (230, 30, 30), "green": (30, 200, 30), "blue": (40, 60, 240), "yellow": (240, 220, 20)}
