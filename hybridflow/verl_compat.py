@@ -111,6 +111,15 @@ MODULE_TABLE: dict[str, str | tuple[str, ...]] = {
     ),
     "verl.experimental.agent_loop.single_turn_agent_loop": f"{_LOOP}.single_turn",
     "verl.experimental.agent_loop.tool_agent_loop": f"{_LOOP}.tool_agent",
+    # verl's reward loop (issue 35): the package, its managers and their registry
+    "verl.experimental.reward_loop": "hybridflow.workers.reward_loop",
+    "verl.experimental.reward_loop.reward_loop": "hybridflow.workers.reward_loop.loop",
+    "verl.experimental.reward_loop.reward_manager": "hybridflow.workers.reward_loop",
+    "verl.experimental.reward_loop.reward_manager.base": "hybridflow.workers.reward_loop.base",
+    "verl.experimental.reward_loop.reward_manager.registry": "hybridflow.workers.reward_loop.registry",
+    "verl.experimental.reward_loop.reward_manager.naive": "hybridflow.workers.reward_loop.naive",
+    "verl.experimental.reward_loop.reward_manager.dapo": "hybridflow.workers.reward_loop.dapo",
+    "verl.experimental.reward_loop.reward_manager.limited": "hybridflow.workers.reward_loop.limited",
 }
 
 # verl packages with no hybridflow module of their own: the alias gives an empty package, so that

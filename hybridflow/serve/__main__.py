@@ -36,6 +36,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-waiting", type=int, default=256, help="queued requests before new ones get 503 + Retry-After"
     )
     parser.add_argument("--max-request-bytes", type=int, default=4 << 20, help="the largest request body")
+    parser.add_argument(
+        "--task",
+        choices=("auto", "generate", "classify"),
+        default="auto",
+        help="classify: serve POST /classify for a sequence-classification model (a DisRM; "
+        "hybridflow.serve.classify); auto: classify when the architecture is *ForSequenceClassification",
+    )
     return parser.parse_args(argv)
 
 
@@ -123,6 +130,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from hybridflow.serve.app import build_app
 
+    if args.task == "classify" or (args.task == "auto" and _is_classifier(args.model)):
+        serve_classifier(args)
+        return
     service = build_service(args)
     guard = "API key required" if args.api_key else "no API key: open to anyone who can reach it"
     print(
@@ -130,6 +140,28 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
     app = build_app(service, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+def _is_classifier(model: str) -> bool:
+    from hybridflow.serve.classify import is_classifier
+
+    return is_classifier(os.path.expanduser(model))
+
+
+def serve_classifier(args: argparse.Namespace) -> None:
+    """A DisRM: ``POST /classify`` on the model's sequence-classification head (:mod:`.classify`)."""
+    import torch
+    import uvicorn
+
+    from hybridflow.serve.classify import Classifier, build_classify_app
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    classifier = Classifier(os.path.expanduser(args.model), args.served_model_name or args.model, dtype)
+    print(f"hybridflow.serve: {classifier.model_name} on http://{args.host}:{args.port}/classify", flush=True)
+    app = build_classify_app(classifier, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 

@@ -1,8 +1,8 @@
 """What a request passes before the app reads it: the API key and the body size (an ASGI middleware).
 
-- ``api_key``: every ``/v1/*`` request and ``/stats`` must carry ``Authorization: Bearer <key>``
-  (vLLM's ``--api-key``); ``/health`` stays open for load balancers. A wrong or missing key is a 401
-  in OpenAI's error shape, answered before the body is read.
+- ``api_key``: every ``/v1/*`` request, ``/stats`` and ``/classify`` must carry
+  ``Authorization: Bearer <key>`` (vLLM's ``--api-key``); ``/health`` stays open for load balancers.
+  A wrong or missing key is a 401 in OpenAI's error shape, answered before the body is read.
 - ``max_body_bytes``: a body longer than this (by its ``Content-Length`` or as it streams in) is a 413,
   and is never held in memory whole. The body read here is handed on to the app, and the messages
   after it (a client's disconnect) pass through, so the app can still notice a client that left.
@@ -68,7 +68,7 @@ class RequestGate:
 
     @staticmethod
     def _protected(path: str) -> bool:
-        return path == "/stats" or path.startswith("/v1/") or path == "/v1"
+        return path in ("/stats", "/classify") or path.startswith("/v1/") or path == "/v1"
 
     async def _too_large(self, send) -> None:
         message = f"The request body is larger than this server's limit of {self.max_body_bytes} bytes."

@@ -170,20 +170,25 @@ def build_trainer(config: DictConfig, worker_groups=None):
     processor = load_processor(config.actor_rollout_ref.model.path, tokenizer)  # None: a text-only model
     train_loader, val_loader = build_dataloaders(config, tokenizer, processor)
     max_resp_len = int(config.data.max_response_length)
-    reward_fn = build_reward_manager(
-        config.reward_model,
-        config.custom_reward_function,
-        tokenizer,
-        num_examine=0,
-        max_resp_len=max_resp_len,
-    )
-    val_reward_fn = build_reward_manager(
-        config.reward_model,
-        config.custom_reward_function,
-        tokenizer,
-        num_examine=1,
-        max_resp_len=max_resp_len,
-    )
+    if config.reward_model.get("use_reward_loop", False):  # verl's reward loop: each sample on its own
+        from hybridflow.workers.reward_loop import RewardLoop
+
+        reward_fn, val_reward_fn = RewardLoop(config, tokenizer), RewardLoop(config, tokenizer)
+    else:
+        reward_fn = build_reward_manager(
+            config.reward_model,
+            config.custom_reward_function,
+            tokenizer,
+            num_examine=0,
+            max_resp_len=max_resp_len,
+        )
+        val_reward_fn = build_reward_manager(
+            config.reward_model,
+            config.custom_reward_function,
+            tokenizer,
+            num_examine=1,
+            max_resp_len=max_resp_len,
+        )
     tracker = Tracking(
         project_name=config.trainer.project_name,
         experiment_name=config.trainer.experiment_name,

@@ -192,7 +192,8 @@ def _check_plugin_names(config: DictConfig) -> list[str]:
             f"registered: {', '.join(ROLLOUTS.names())}"
         )
     manager = config.reward_model.reward_manager
-    if manager not in REWARD_MANAGERS:
+    in_loop = config.reward_model.get("use_reward_loop", False)  # the loop's managers: reward_loop_honesty
+    if manager not in REWARD_MANAGERS and not in_loop:
         problems.append(
             f"reward_model.reward_manager={manager!r} is not registered; "
             f"registered: {', '.join(REWARD_MANAGERS.names())}"

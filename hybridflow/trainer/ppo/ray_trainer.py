@@ -85,6 +85,7 @@ class RayPPOTrainer:
         self.checkpointer = TrainerCheckpointer(config.trainer)
         self.stop = StopRequest()  # entered by run_ppo: SIGTERM/SIGINT finish the step, save, stop
         self.reward_extra_keys: set[str] = set()  # per-sample reward extras seen (for generation dumps)
+        self.reward_loop_metrics: dict[str, float] = {}  # the reward loop's, since the last step's log
         self.use_greedy_baseline = config.algorithm.adv_estimator in ESTIMATORS_NEEDING_GREEDY_BASELINE
         # rollout.use_rollout_log_probs: whether (and when) the engine's log-probs last matched a recompute
         self.log_prob_parity = LogProbParity()
@@ -179,6 +180,8 @@ class RayPPOTrainer:
             metric_utils.compute_throughput_metrics(batch, timing, n_workers=self.wg.total_workers)
         )
         metrics.update(metric_utils.compute_overhead_metrics(timing, metrics))
+        metrics.update(self.reward_loop_metrics)
+        self.reward_loop_metrics = {}
         metrics.update(self.wg.mfu_metrics(batch, timing))
         metrics["training/global_step"] = self.global_steps
         return metrics
@@ -252,7 +255,11 @@ class RayPPOTrainer:
         )
 
     def _score(self, batch: DataProto) -> None:
+        start = time.perf_counter()
         result = self.reward_fn(batch, return_dict=True)
+        if hasattr(self.reward_fn, "pop_metrics"):  # the reward loop, after the rollout: all of it exposed
+            self.reward_loop_metrics.update(self.reward_fn.pop_metrics())
+            self.reward_loop_metrics["reward/exposed_s"] = time.perf_counter() - start
         batch.batch[keys.TOKEN_LEVEL_SCORES] = result["reward_tensor"]
         for key, values in result.get("reward_extra_info", {}).items():
             if len(values) == len(batch):  # per-sample extras (acc, pred, ...) travel with the batch

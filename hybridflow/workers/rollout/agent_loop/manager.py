@@ -217,6 +217,12 @@ class AgentLoopManager:
             "generate_sequences": [seconds],
             "agent_loop/stuck_scorers": [float(stuck)],
         }
+        if any("reward_metrics" in out.meta_info for out in outputs):  # the reward loop scored in the loops
+            from hybridflow.workers.reward_loop.loop import merge_worker_metrics
+
+            per_worker = [out.meta_info.pop("reward_metrics", {}) for out in outputs]
+            clocks = [out.meta_info.pop("reward_clock", {}) for out in outputs]
+            metrics.update({k: [v] for k, v in merge_worker_metrics(per_worker, clocks).items()})
         for name, values in (
             ("generate_sequences", generate),
             ("tool_calls", tools),

@@ -16,6 +16,7 @@ synchronous rollout gives (``responses``, ``response_mask``, ``rollout_log_probs
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -98,6 +99,7 @@ class AgentLoopWorker:
         load_agent_loop_configs(agent.get("agent_loop_config_path"))
         self.default_agent_loop = default_agent_loop(rollout)
         self.reward_fn = self._reward_fn()
+        self._reward_clock = {"generated": 0.0, "scored": 0.0}  # wall times: last sample generated / scored
         self._scoring = ThreadPoolExecutor(SCORING_THREADS, thread_name_prefix="agent-loop-scoring")
         self._init_trace()
 
@@ -124,6 +126,10 @@ class AgentLoopWorker:
         agent = self.config.actor_rollout_ref.rollout.get("agent") or {}
         if self.config.reward_model.get("enable") or not agent.get("reward_in_loop", True):
             return None
+        if self.config.reward_model.get("use_reward_loop", False):  # awaited per sample (_maybe_score)
+            from hybridflow.workers.reward_loop import RewardLoop
+
+            return RewardLoop(self.config, self.tokenizer)
         return build_reward_manager(
             self.config.reward_model,
             self.config.custom_reward_function,
@@ -261,7 +267,10 @@ class AgentLoopWorker:
 
         if output.reward_score is not None or self.reward_fn is None or output.extra_fields.get("is_partial"):
             return None
+        self._reward_clock["generated"] = max(self._reward_clock["generated"], time.time())
         try:
+            if hasattr(self.reward_fn, "score_batch"):  # the reward loop: on this event loop, beside the rest
+                return await self._score_in_loop(batch, row, output)
             return await asyncio.get_running_loop().run_in_executor(
                 self._scoring, self._score, batch, row, output
             )
@@ -318,8 +327,23 @@ class AgentLoopWorker:
             response_attention=present,
         )
 
+    async def _score_in_loop(self, batch: DataProto, row: int, output: AgentLoopOutput):
+        """One sample through the reward loop (:mod:`hybridflow.workers.reward_loop`): (its token-level
+        scores (T_r,), its extras); an async reward function runs on this worker's event loop."""
+        reward, extras = await self.reward_fn.score_batch(self._sample(batch, row, output))
+        self._reward_clock["scored"] = max(self._reward_clock["scored"], time.time())
+        return reward[0], {key: values[0] for key, values in extras.items()}
+
     def _score(self, batch: DataProto, row: int, output: AgentLoopOutput) -> tuple[torch.Tensor, dict]:
         """One sample through the reward manager: (its token-level scores (T_r,), its extras)."""
+        result = self.reward_fn(self._sample(batch, row, output), return_dict=True)
+        extras = {
+            key: values[0] for key, values in result.get("reward_extra_info", {}).items() if len(values) == 1
+        }
+        return result["reward_tensor"][0], extras
+
+    def _sample(self, batch: DataProto, row: int, output: AgentLoopOutput) -> DataProto:
+        """One finished sample as a one-row rollout batch, with its dataset fields."""
         sample = self._rollout_rows(batch, [output])
         sample.non_tensor_batch = {
             key: _column([value[row]]) for key, value in batch.non_tensor_batch.items()
@@ -328,11 +352,7 @@ class AgentLoopWorker:
         for key in NUMERIC_EXTRAS:
             if key in output.extra_fields:
                 sample.non_tensor_batch[key] = np.array([output.extra_fields[key]])
-        result = self.reward_fn(sample, return_dict=True)
-        extras = {
-            key: values[0] for key, values in result.get("reward_extra_info", {}).items() if len(values) == 1
-        }
-        return result["reward_tensor"][0], extras
+        return sample
 
     def _assemble(self, batch: DataProto, outputs: list[AgentLoopOutput], scores: list) -> DataProto:
         out = self._rollout_rows(batch, outputs)
@@ -373,6 +393,10 @@ class AgentLoopWorker:
         out.non_tensor_batch.update(columns)
         out.meta_info["metrics"] = [o.metrics.model_dump() for o in outputs]
         out.meta_info["stuck_scorers"] = stuck_scorers()  # this process's scorer threads past their limit
+        if hasattr(self.reward_fn, "pop_metrics"):  # the reward loop's, and when its last score came in
+            out.meta_info["reward_metrics"] = self.reward_fn.pop_metrics()
+            out.meta_info["reward_clock"] = dict(self._reward_clock)
+            self._reward_clock = {"generated": 0.0, "scored": 0.0}
         # a chunk with aborted samples (partial rollout) hands back every row's output, for a resume
         if any(o.extra_fields.get("is_partial") for o in outputs):
             out.meta_info["loop_outputs"] = list(outputs)
