@@ -220,3 +220,37 @@ def test_a_resume_in_another_process_says_the_tool_instances_are_new(tokenizer, 
     )
     assert output.extra_fields["tool_session_restarted"] is True
     assert tools["add"].executed == 2  # still no call ran twice
+
+
+def test_a_group_split_over_two_workers_keeps_distinct_sample_streams():
+    """3 prompts x n=2 over 2 agent-loop workers: rows [A0 A1 B0] and [B1 C0 C1]. Each row's number in
+    its group comes from the manager's count over the whole batch (``rollout_n``), so B's second sample
+    draws from stream 1 in the second chunk, not stream 0 again (the same response twice)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from hybridflow import keys
+    from hybridflow.protocol import DataProto
+    from hybridflow.utils.rollout_trace import rollout_numbers
+    from hybridflow.workers.rollout.agent_loop.worker import AgentLoopWorker
+
+    uids = np.array(["a", "a", "b", "b", "c", "c"], dtype=object)
+    batch = DataProto.from_dict(
+        tensors={"input_ids": torch.zeros(6, 2, dtype=torch.long)},
+        non_tensors={keys.UID: uids, "index": np.array([7, 7, 8, 8, 9, 9])},
+    )
+    batch.non_tensor_batch["rollout_n"] = np.array(rollout_numbers(uids, 6), dtype=np.int64)
+    worker = SimpleNamespace(config=OmegaConf.create({"actor_rollout_ref": {"rollout": {"seed": 3}}}))
+    params = {"temperature": 1.0}
+    streams = []
+    for chunk in batch.split([3, 3]):
+        streams += AgentLoopWorker._seeds(worker, chunk, params)
+    b0, b1 = streams[2], streams[3]
+    assert b0["seed"] == b1["seed"] and (b0["seed_sample"], b1["seed_sample"]) == (0, 1)
+    assert len({(s["seed"], s["seed_sample"]) for s in streams}) == 6  # six samples, six streams
+    # a chunk without the manager's column counts its own rows (a whole group, as fully async sends)
+    del batch.non_tensor_batch["rollout_n"]
+    alone = AgentLoopWorker._seeds(worker, batch.split([3, 3])[1], params)
+    assert [s["seed_sample"] for s in alone] == [0, 0, 1]

@@ -29,6 +29,7 @@ import torch
 
 from hybridflow import keys
 from hybridflow.protocol import DataProto
+from hybridflow.utils.rollout_trace import rollout_numbers
 
 
 class AgentLoopManager:
@@ -72,11 +73,11 @@ class AgentLoopManager:
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Prompt rows (repeated ``n`` times, with their dataset fields) → the rollout batch."""
         start = time.perf_counter()
-        if self.tracing:  # each row's number in its group, counted before a group is split over workers
-            from hybridflow.utils.rollout_trace import rollout_numbers
-
-            numbers = rollout_numbers(prompts.non_tensor_batch.get(keys.UID), len(prompts))
-            prompts.non_tensor_batch["rollout_n"] = np.array(numbers, dtype=np.int64)
+        # each row's number in its group, counted before a group is split over workers: the sample's
+        # seeded stream (a group split across two chunks would otherwise number both halves from 0 and
+        # sample the same response twice) and the trace's rollout_n
+        numbers = rollout_numbers(prompts.non_tensor_batch.get(keys.UID), len(prompts))
+        prompts.non_tensor_batch["rollout_n"] = np.array(numbers, dtype=np.int64)
         sync_metrics, serve_refs = self.start_serving(rows=len(prompts))
         chunks = prompts.split(_even_sizes(len(prompts), len(self.workers)))
         refs = [w.generate_sequences.remote(c) for w, c in zip(self.workers, chunks, strict=True) if len(c)]

@@ -169,17 +169,19 @@ class AgentLoopWorker:
 
     def _seeds(self, batch: DataProto, params: dict) -> list[dict | None]:
         """Each row's sampling stream, as ``{seed, seed_sample}``: the prompt's seed (rollout.seed, epoch,
-        its dataset index) and the sample's number within the prompt's group (the rows of one ``uid``);
-        None when greedy or the batch carries no dataset index."""
+        its dataset index) and the sample's number within the prompt's group (``rollout_n``, counted by
+        the manager over the whole batch, since a group may span two workers' chunks; else counted here
+        over the rows of one ``uid``); None when greedy or the batch carries no dataset index."""
         index = batch.non_tensor_batch.get("index")
         rollout = self.config.actor_rollout_ref.rollout
         if params["temperature"] == 0 or index is None or rollout.get("seed") is None:
             return [None] * len(batch)
-        uids = batch.non_tensor_batch.get(keys.UID)
-        streams, sample = [], 0
+        numbers = batch.non_tensor_batch.get("rollout_n")
+        if numbers is None:
+            numbers = rollout_numbers(batch.non_tensor_batch.get(keys.UID), len(batch))
+        streams = []
         for row in range(len(batch)):
-            same_group = row > 0 and uids is not None and uids[row] == uids[row - 1]
-            sample = sample + 1 if same_group else 0
+            sample = int(numbers[row])
             seed = sample_seed(
                 int(rollout.seed),
                 int(batch.meta_info.get("epoch", 0)),
