@@ -56,6 +56,7 @@ def fully_async_honesty_problems(config: DictConfig) -> list[str]:
     problems = limited_value_problems(config, FULLY_ASYNC_LIMITED_VALUES)
     problems += _algorithm_problems(config, schema)
     problems += _log_prob_problems(config, schema)
+    problems += _trace_problems(config, schema)
     steps = (config.rollout.get("total_rollout_steps"), config.trainer.get("total_training_steps"))
     if all(steps):
         problems.append(
@@ -134,3 +135,18 @@ def _log_prob_problems(config: DictConfig, schema: DictConfig) -> list[str]:
                 "=false or compute_prox_log_prob=true); remove it, or set those"
             )
     return problems
+
+
+def _trace_problems(config: DictConfig, schema: DictConfig) -> list[str]:
+    """``actor_rollout_ref.rollout.trace``: the rollout trace knows main_ppo's steps and batches; the
+    rollouter's stream has neither, and no test shows a trace of it yet."""
+    trace = config.actor_rollout_ref.rollout.get("trace") or {}
+    default = schema.actor_rollout_ref.rollout.get("trace") or {}
+    changed = sorted(key for key in trace if trace.get(key) != default.get(key))
+    if not changed:
+        return []
+    settings = ", ".join(f"actor_rollout_ref.rollout.trace.{key}={trace.get(key)}" for key in changed)
+    return [
+        f"{settings}: the rollout trace is not wired into fully_async_main (its samples have no trainer "
+        "step to file them under); trace with main_ppo and actor_rollout_ref.rollout.mode=async"
+    ]

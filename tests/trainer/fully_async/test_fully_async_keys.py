@@ -64,6 +64,10 @@ A = "algorithm."
 C = "algorithm.rollout_correction."
 R = "actor_rollout_ref.rollout."
 REFUSED = [
+    ({R + "trace.backend": "jsonl"}, r"rollout trace is not wired into fully_async_main"),
+    ({R + "trace.token2text": True}, r"trace\.token2text=True: the rollout trace is not wired"),
+    ({R + "trace.max_samples_per_step_per_worker": 2}, r"trace\.max_samples_per_step_per_worker=2"),
+    ({R + "trace.dir": "/tmp/traces"}, r"trace\.dir=/tmp/traces: the rollout trace"),
     ({A + "filter_groups.enable": True}, r"algorithm\.filter_groups=.*not supported by fully_async_main"),
     ({A + "filter_groups.metric": "score"}, r"algorithm\.filter_groups=.*DAPO dynamic sampling"),
     ({A + "filter_groups.max_num_gen_batches": 3}, r"algorithm\.filter_groups=.*main_ppo"),
