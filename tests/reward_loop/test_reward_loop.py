@@ -142,7 +142,9 @@ def test_verl_top_level_reward_manager_section(tmp_path):
 
 
 def test_token_bucket_rate_holds_within_10_percent_over_5_s():
-    """20 tokens/s, a burst of 1: 200 concurrent takers; in 5 s at most 1 + 20 * 5 = 101 get through."""
+    """20 tokens/s, a burst of 1: 200 concurrent takers; in 5 s 1 + 20 * 5 = 101 get through (within 10%).
+    The window is the one measured: on a loaded machine the 5-s sleep may wake late, and the takers
+    that got through meanwhile are counted against the longer window."""
 
     async def run():
         bucket = AsyncTokenBucket(rate_limit=20.0, max_tokens=1.0)
@@ -155,14 +157,15 @@ def test_token_bucket_rate_holds_within_10_percent_over_5_s():
         start = time.monotonic()
         tasks = [asyncio.create_task(take()) for _ in range(200)]
         await asyncio.sleep(5.0)
+        window = time.monotonic() - start
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        return [t - start for t in done]
+        return [t - start for t in done if t - start <= window], window
 
-    times = asyncio.run(run())
-    assert 101 * 0.9 <= len(times) <= 101 * 1.1, len(times)
-    assert all(t <= 5.0 for t in times)
+    times, window = asyncio.run(run())
+    expected = 1 + 20 * window
+    assert expected * 0.9 <= len(times) <= expected * 1.1, (len(times), window)
 
 
 def test_large_requests_go_into_debt_and_wait_the_shortfall():

@@ -131,7 +131,11 @@ def test_a_data_file_with_images_is_an_error(tiny_model_dir, tmp_path):
 
     row = {"data_source": "x", "prompt": [{"role": "user", "content": "hi"}], "images": [b"\x89PNG"]}
     pq.write_table(pa.Table.from_pylist([row]), tmp_path / "mm.parquet")
-    with pytest.raises(NotImplementedError, match="'images' column .* multimodal data is not supported"):
+    from hybridflow.utils.dataset.multimodal import MultiModalInputError
+
+    # image rows need a vision-language model (docs/vlm.md); the tiny text model has no vision tower
+    no_tower = r"'images' column \(data.image_key\) but the model has no vision tower"
+    with pytest.raises(MultiModalInputError, match=no_tower):
         RLHFDataset(str(tmp_path / "mm.parquet"), load_tokenizer(tiny_model_dir), {"max_prompt_length": 8})
     pq.write_table(pa.Table.from_pylist([row]), tmp_path / "mm2.parquet")
     config = {"max_prompt_length": 8, "image_key": "pixels"}  # the column has another name: plain text data

@@ -104,6 +104,7 @@ def test_the_agent_loop_worker_ends_on_stuck_scorers_naming_the_sample(bounded):
     worker = object.__new__(AgentLoopWorker)
     worker.reward_fn = object()
     worker._scoring = ThreadPoolExecutor(SCORING_THREADS)
+    worker._reward_clock = {"generated": 0.0, "scored": 0.0}  # what __init__ sets
 
     def score(batch, row, output):
         raise ScorersStuck("3 scorer threads are stuck")
