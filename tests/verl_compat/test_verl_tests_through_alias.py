@@ -87,6 +87,7 @@ def test_the_start_hook_is_in_this_interpreter():
     )
 
 
+@pytest.mark.slow  # make test-slow: verl's whole CPU suite (128 tests, 16 spawned processes)
 def test_verl_tests_pass_through_install_alone(tmp_path):
     files = tuple(ALL_FILES)
     if not verl_compat.hook_is_current():

@@ -155,6 +155,7 @@ def test_stale_partial_rollouts_with_token_is(ray_session, vllm_model_dir, mixed
     assert all(record["fully_async/param_sync/probe_gap_max"] <= 1e-2 for record in metrics.values())
 
 
+@pytest.mark.slow  # make test-slow: a weight sync broken on purpose in a running run
 def test_a_broken_weight_sync_stops_the_run_naming_the_replica(
     ray_session, vllm_model_dir, arithmetic_data, tmp_path, monkeypatch
 ):
@@ -222,6 +223,7 @@ def _trained_prompts(tmp, name, step) -> list[str]:
     return sorted(row[0] for row in _rollouts(tmp, name, step))
 
 
+@pytest.mark.slow  # make test-slow: delays injected into every third sample and every update
 def test_slow_samples_and_slow_updates_keep_the_bound_and_the_data(
     ray_session, vllm_model_dir, arithmetic_data, tmp_path, monkeypatch
 ):

@@ -154,6 +154,7 @@ def test_an_unknown_agent_name_is_refused_before_the_first_step(tiny_model_dir, 
         validate_config(config)
 
 
+@pytest.mark.slow  # make test-slow: a loop that raises mid-rollout, then the same workers train
 def test_a_loop_that_raises_names_itself_and_the_sample(groups, tiny_model_dir, arithmetic_data, tmp_path):
     (tmp_path / "loops.yaml").write_text(
         f"- name: failing\n  _target_: {LOOPS}.FailingAgentLoop\n  fail_index: 3\n"
