@@ -162,7 +162,7 @@ def build_tiny_model(
     embedding has ``max(vocab_size, len(tokenizer))`` rows.
     """
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     if texts is None:
         from hybridflow.tasks.arithmetic import task_texts
@@ -183,6 +183,14 @@ def build_tiny_model(
     config = CONFIG_BUILDERS.get(arch)(spec, ids)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
+    return save_tiny_model(model, tokenizer, out_dir)
+
+
+def save_tiny_model(model, tokenizer, out_dir: str | Path) -> Path:
+    """Save a freshly built tiny ``model`` and its ``tokenizer`` as an HF directory; generation stops at
+    EOS or ``<|endoftext|>``, pads with the tokenizer's pad id."""
+    from transformers import GenerationConfig
+
     model.generation_config = GenerationConfig(
         eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(ENDOFTEXT)],
         pad_token_id=tokenizer.pad_token_id,

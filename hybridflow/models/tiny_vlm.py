@@ -60,13 +60,12 @@ def build_tiny_vlm(
     ``(1, 4, 4)`` patch grid, 4 image tokens. The same arguments give the same weights."""
     import torch
     from transformers import (
-        GenerationConfig,
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
         Qwen2VLImageProcessorPil,
     )
 
-    from hybridflow.models.tiny import ENDOFTEXT, build_tokenizer
+    from hybridflow.models.tiny import build_tokenizer, save_tiny_model
 
     if texts is None:
         from hybridflow.tasks.visual import task_texts
@@ -118,15 +117,7 @@ def build_tiny_vlm(
     )
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config)
-    model.generation_config = GenerationConfig(
-        eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(ENDOFTEXT)],
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    out = save_tiny_model(model, tokenizer, out_dir)
     processor = Qwen2VLImageProcessorPil(
         min_pixels=image_pixels, max_pixels=image_pixels, patch_size=14, temporal_patch_size=2, merge_size=2
     )
