@@ -61,6 +61,7 @@ from typing import Any
 
 CHILD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
 SETUP_FAILED_EXIT_CODE = 125  # the child's exit code when it could not contain itself
+LOST_STATUS_EXIT_CODE = 255  # what asyncio's child watcher reports for a child reaped by someone else
 SANDBOX_UID_FIRST, SANDBOX_UID_COUNT = 1_800_000_000, 1 << 24  # fresh uids for runs started as root
 STDERR_TAIL_BYTES = 2048  # the end of stderr, kept apart from the truncated copy to classify errors
 _uids_in_use: set[int] = set()
@@ -188,7 +189,7 @@ async def _run_contained(code: str, limits: SandboxLimits, work_root: str | None
         with contextlib.suppress(TimeoutError):  # pipes may still be flushing
             await asyncio.wait_for(asyncio.shield(capture.closed), timeout=1.0)
         isolation = {**_read_status(status_read), "process_group": pgid, "leftovers_killed": all_killed}
-        return _build_result(capture, transport.get_returncode(), timed_out, isolation)
+        return _build_result(capture, _exit_code(transport.get_returncode(), timed_out), timed_out, isolation)
     finally:
         if transport is not None:
             transport.close()  # kills the main process if it still runs
@@ -201,6 +202,18 @@ async def _run_contained(code: str, limits: SandboxLimits, work_root: str | None
             with _uids_lock:
                 _uids_in_use.discard(uid)  # a uid with survivors is never handed out again
         await asyncio.shield(asyncio.to_thread(_remove_tree, workdir))
+
+
+def _exit_code(returncode: int | None, timed_out: bool) -> int | None:
+    """The run's exit code; after our SIGKILL, the kill even when the status was lost.
+
+    asyncio's child watcher reports 255 ("Unknown child process pid") when something else in the host
+    process reaped the child first (seen once in CI under pytest-xdist); a run we killed at its wall
+    timeout ended by that SIGKILL whatever the watcher could still read.
+    """
+    if timed_out and returncode == LOST_STATUS_EXIT_CODE:
+        return -signal.SIGKILL
+    return returncode
 
 
 def _child_command(limits: SandboxLimits, workdir: str, uid: int | None, status_fd: int) -> list[str]:
