@@ -16,7 +16,8 @@ update of SP = 1 (``tests/workers/test_ulysses_exact.py`` checks parameters to 1
 
 Grouped key/value heads (verl's rule, ``monkey_patch.py``): ``nkv % sp == 0`` splits them like the
 query heads; ``sp % nkv == 0`` repeats each ``sp / nkv`` times first (every rank gets one); anything
-else cannot be split and is refused (:func:`head_split_problem`).
+else cannot be split and is refused
+(:func:`hybridflow.utils.ulysses_rules.head_split_problem`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from hybridflow.utils.ulysses_rules import head_split_problem  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -52,20 +55,6 @@ class SequenceSlice:
 def padded_length(num_tokens: int, sp: int) -> int:
     """The smallest multiple of ``sp`` holding ``num_tokens`` (at least ``sp``: every rank gets a token)."""
     return max(1, -(-num_tokens // sp)) * sp
-
-
-def head_split_problem(num_heads: int, num_kv_heads: int, sp: int) -> str | None:
-    """Why ``sp`` cannot split the heads (None: it can). verl's rule for grouped key/value heads."""
-    if sp <= 1:
-        return None
-    if num_heads % sp:
-        return f"num_attention_heads={num_heads} is not divisible by ulysses_sequence_parallel_size={sp}"
-    if num_kv_heads % sp and sp % num_kv_heads:
-        return (
-            f"num_key_value_heads={num_kv_heads} and ulysses_sequence_parallel_size={sp}: one must divide "
-            "the other (verl's rule: kv heads are split, or repeated sp / kv times)"
-        )
-    return None
 
 
 def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:

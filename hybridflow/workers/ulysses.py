@@ -31,28 +31,10 @@ from hybridflow import keys
 from hybridflow.protocol import DataProto
 from hybridflow.utils.torch_functional import entropy_from_logits
 from hybridflow.utils.ulysses import SequenceSlice, gather_sequence, padded_length, sum_over_sequence
+from hybridflow.utils.ulysses_rules import SP_KEY, configured_sp_size  # noqa: F401 (re-exported)
 from hybridflow.workers.lora import unwrap_peft
 from hybridflow.workers.packed_rows import PackedInputs, gather_packed_outputs, plan_packed_rows
 from hybridflow.workers.shared_prefix import split_rows
-
-SP_KEY = "ulysses_sequence_parallel_size"
-
-
-def configured_sp_size(
-    section, fsdp_config=None, names: tuple[str, str] = (SP_KEY, f"fsdp_config.{SP_KEY}")
-) -> int:
-    """A role's SP size from verl's two keys: ``<role>.ulysses_sequence_parallel_size`` (its FSDP worker)
-    and ``<role>...fsdp_config.ulysses_sequence_parallel_size`` (its newer engine); ``names``: their full
-    paths, for messages. Unset or null is 1; two values other than 1 must agree (ValueError)."""
-    values = [part.get(SP_KEY) if part is not None else None for part in (section, fsdp_config)]
-    values = [1 if value is None else value for value in values]
-    for name, value in zip(names, values, strict=True):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
-    legacy, engine = values
-    if legacy != 1 and engine != 1 and legacy != engine:
-        raise ValueError(f"{names[0]}={legacy} and {names[1]}={engine} disagree: set one, or both the same")
-    return max(legacy, engine)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,9 @@ import os
 
 from omegaconf import DictConfig, OmegaConf
 
+from hybridflow.utils.ulysses_rules import SP_KEY
+from hybridflow.utils.ulysses_rules import SP_SECTIONS as ROLE_SP_SECTIONS
+
 TP_KEY = "tensor_model_parallel_size"
 # (section holding the key, the fsdp_config path that names its role's pool, the model path key)
 SECTIONS = (
@@ -130,14 +133,8 @@ def _combination_problems(config: DictConfig, sizes: dict[str, int]) -> list[str
 
 
 # ----------------------------------------------------------------------------- Ulysses sequence parallelism
-SP_KEY = "ulysses_sequence_parallel_size"
-# (role section holding verl's FSDP-worker key, its fsdp_config (the newer engine's key), model path key)
-SP_SECTIONS = (
-    ("actor_rollout_ref.actor", "actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.model"),
-    ("actor_rollout_ref.ref", "actor_rollout_ref.ref.fsdp_config", "actor_rollout_ref.model"),
-    ("critic", "critic.model.fsdp_config", "critic.model"),
-    ("reward_model", "reward_model.model.fsdp_config", "reward_model.model"),
-)
+# (role section holding verl's FSDP-worker key, its fsdp_config (the newer engine's key), model section)
+SP_SECTIONS = tuple(ROLE_SP_SECTIONS.values())
 
 
 def _sp_in_use(config: DictConfig, section: str) -> bool:
@@ -153,9 +150,9 @@ def _sp_in_use(config: DictConfig, section: str) -> bool:
 
 
 def sequence_parallel_sizes(config: DictConfig) -> tuple[dict[str, int], list[str]]:
-    """Each role's SP size (:func:`hybridflow.workers.ulysses.configured_sp_size`) and the problems of
-    reading them (a bad value, the two keys disagreeing)."""
-    from hybridflow.workers.ulysses import configured_sp_size
+    """Each role's SP size (:func:`hybridflow.utils.ulysses_rules.configured_sp_size`) and the problems
+    of reading them (a bad value, the two keys disagreeing)."""
+    from hybridflow.utils.ulysses_rules import configured_sp_size
 
     sizes, problems = {}, []
     for section, fsdp_path, _ in SP_SECTIONS:
@@ -173,7 +170,7 @@ def sequence_parallel_problems(config: DictConfig) -> list[str]:
     """One line per Ulysses setting that cannot run (empty: sound). Checked: the size divides the role's
     worker processes and the model's heads (verl's rule for kv heads), and is not combined with what
     splits heads or sequences otherwise (tensor parallelism, another attention implementation)."""
-    from hybridflow.utils.ulysses import head_split_problem
+    from hybridflow.utils.ulysses_rules import head_split_problem
 
     sizes, problems = sequence_parallel_sizes(config)
     for section, fsdp_path, model_path in SP_SECTIONS:
