@@ -158,11 +158,22 @@ def completions_output(
 ) -> DataProto:
     """The standard output (:func:`assemble_output`) for one completion per prompt row, in row order:
     each completion's ``token_ids`` and ``log_probs`` (lists) fill a ``response_length``-wide row. Rows
-    are built on the host from the engine's token lists; :func:`assemble_output` moves them once."""
+    are built on the host from the engine's token lists; :func:`assemble_output` moves them once.
+
+    ``response_mask`` is 1 on each completion's own tokens: the engine stops after the first stop token
+    (EOS included), so this is the EOS-cut mask, and with ``rollout.ignore_eos`` it keeps the tokens
+    generated past an EOS (the whole set length, as verl's agent-loop rollout counts them).
+    ``eos_ids`` is kept for the signature's callers; the mask no longer needs it."""
+    del eos_ids
     responses = torch.full((len(completions), response_length), pad_id, dtype=torch.long)
     log_probs = torch.zeros(len(completions), response_length, dtype=torch.float32)
+    lengths = torch.zeros(len(completions), dtype=torch.long)
     for row, completion in enumerate(completions):
         tokens = completion.token_ids[:response_length]
+        lengths[row] = len(tokens)
         responses[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         log_probs[row, : len(tokens)] = torch.tensor(completion.log_probs[:response_length])
-    return assemble_output(prompts, responses, eos_ids, pad_id, log_probs if with_log_probs else None)
+    response_mask = (torch.arange(response_length)[None, :] < lengths[:, None]).to(torch.int64)
+    return assemble_output(
+        prompts, responses, [], pad_id, log_probs if with_log_probs else None, response_mask=response_mask
+    )

@@ -153,6 +153,7 @@ def engine_sampling_params(config, meta: dict, eos_ids: list[int]) -> SamplingPa
         top_p=chosen["top_p"],
         do_sample=chosen["do_sample"],
         stop_token_ids=() if config.get("ignore_eos", False) else tuple(eos_ids),
+        ignore_eos=bool(config.get("ignore_eos", False)),  # the engine's own eos ids too
     )
 
 

@@ -54,7 +54,8 @@ class HFRollout(BaseRollout):
             parts = [self._generate(p, params, eos_ids, pad_id) for p in prompts.split(chunk)]
         responses = torch.cat([r for r, _ in parts])
         log_probs = torch.cat([lp for _, lp in parts]) if parts[0][1] is not None else None
-        return assemble_output(prompts, responses, eos_ids, pad_id, rollout_log_probs=log_probs)
+        mask_eos = [] if self.config.get("ignore_eos") else eos_ids  # ignore_eos: every row is full length
+        return assemble_output(prompts, responses, mask_eos, pad_id, rollout_log_probs=log_probs)
 
     def _generate(
         self, prompts: DataProto, params: dict, eos_ids: list[int], pad_id: int

@@ -76,6 +76,19 @@ def test_weight_sync_in_place_changes_generation_without_a_second_copy(sharded_a
     assert not local & engine  # the engine's tensors are its own, not views of the actor's
 
 
+def test_ignore_eos_keeps_every_token_past_an_eos_in_the_response_mask(sharded_actor):
+    prompts = tiny_prompts()
+    first = EngineRollout(sharded_actor, _rollout_config()).generate_sequences(prompts)
+    eos = int(first.batch[keys.RESPONSES][0, 0])  # row 0's first greedy token, made its EOS below
+    prompts.meta_info["eos_token_id"] = [eos]
+    stopped = EngineRollout(sharded_actor, _rollout_config()).generate_sequences(prompts)
+    assert stopped.batch[keys.RESPONSE_MASK][0].tolist() == [1] + [0] * 7  # cut after the EOS
+    config = _rollout_config(**{"actor_rollout_ref.rollout.ignore_eos": True})
+    full = EngineRollout(sharded_actor, config).generate_sequences(prompts)
+    assert full.batch[keys.RESPONSE_MASK].sum(dim=1).tolist() == [8, 8, 8]  # the set length, past EOS
+    assert torch.equal(full.batch[keys.RESPONSES], first.batch[keys.RESPONSES])
+
+
 def test_rollout_log_probs_match_the_actor_forward(sharded_actor):
     from hybridflow.workers.actor.dp_actor import response_log_probs
 
