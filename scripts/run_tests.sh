@@ -15,14 +15,14 @@ if [ "$WORKERS" -gt 0 ]; then
   set -- -n "$WORKERS" --dist loadfile "$@"
 fi
 # Which tests: "fast" (make test: all but the `slow` marker's), "slow" (make test-slow: faults injected
-# into whole running processes and clusters, timed runs compared), "all". .ci/run runs fast, then slow.
+# into whole running processes and clusters, timed runs compared, extra layouts of a whole run), "all". .ci/run runs fast, then slow.
 case "${HYBRIDFLOW_TEST_TIER:-fast}" in
   fast) set -- -m "not slow" "$@" ;;
   slow) set -- -m slow "$@" ;;
   all) ;;
   *) echo "HYBRIDFLOW_TEST_TIER must be fast, slow or all" >&2; exit 2 ;;
 esac
-"$PY" -m pytest tests -q -ra --durations=15 "$@"
+"$PY" -m pytest tests -q -ra --durations=40 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests; treating as success"

@@ -57,15 +57,22 @@ def _run(tmp: Path, model_dir: str, data, actor_tp: int, rollout_tp: int) -> dic
     return {record["step"]: record for record in map(json.loads, lines)}
 
 
+class _Runs(dict):
+    """Each layout's run, made the first time a test asks for it (the fast tier runs two of the three)."""
+
+    def __init__(self, model_dir, data, tmp_path_factory):
+        super().__init__()
+        self.model_dir, self.data, self.tmp_path_factory = model_dir, data, tmp_path_factory
+
+    def __missing__(self, layout):
+        tmp = self.tmp_path_factory.mktemp(f"tp{layout[0]}{layout[1]}")
+        self[layout] = _run(tmp, self.model_dir, self.data, *layout)
+        return self[layout]
+
+
 @pytest.fixture(scope="module")
 def runs(ray_session, tiny_model_dir, arithmetic_data, tmp_path_factory):
-    layouts = [(1, 1), (2, 1), (2, 2)]
-    return {
-        layout: _run(
-            tmp_path_factory.mktemp(f"tp{layout[0]}{layout[1]}"), tiny_model_dir, arithmetic_data, *layout
-        )
-        for layout in layouts
-    }
+    return _Runs(tiny_model_dir, arithmetic_data, tmp_path_factory)
 
 
 # 8 responses with scores in [0, 1]: a mean's standard error is at most 0.5 / sqrt(8); two runs differ
@@ -83,6 +90,8 @@ def test_tp_training_with_per_rank_generation_repeats_the_tp1_run(runs):
     assert tp[2]["training/rollout_log_probs_diff_max"] < 1e-4
 
 
+# make test-slow: a third whole run; engine TP itself is in tests/workers/rollout/test_resharding.py
+@pytest.mark.slow
 def test_tp_generation_groups_sample_the_tp_actors_distribution(runs):
     base, both = runs[(1, 1)], runs[(2, 2)]
     for step in (1, 2):
