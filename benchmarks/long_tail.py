@@ -26,6 +26,12 @@ Modes, all on the same 2 cores with 2 processes of 1 thread each and ``prompts x
 ``samples_per_s`` = samples trained / the summed wall time of the timed steps (the first
 ``--warmup`` steps excluded); ``reward_last`` = mean and standard error of the per-step mean reward
 over the last 10 steps (or all timed steps when fewer).
+
+A mode may be named more than once (``--modes async,async_traced,async,async_traced``: alternating
+repetitions, each in its own directory). With a mode and its ``_traced`` twin, the last line is the
+trace's overhead: the mean step time of the traced runs over the untraced ones, and the median over the
+timed steps of the step-by-step ratio (both runs draw the same samples, so step i of each is the same
+work). With ``sync``, the last line is each mode's speed-up over it.
 """
 
 from __future__ import annotations
@@ -275,7 +281,7 @@ def run_mode(args, mode: str, work: Path) -> dict:
     train, test, tools = (
         work / "data" / name for name in ("train.parquet", "test.parquet", "tool_config.yaml")
     )
-    run_dir = work / mode
+    run_dir = work / (mode if not args.rep else f"{mode}.{args.rep}")
     run_dir.mkdir(exist_ok=True)
     os.chdir(run_dir)
     values = overrides(args, mode, model, train, test, tools)
@@ -310,6 +316,7 @@ def summarise(records: list[dict], args, mode: str, wall_s: float) -> dict:
         "samples_per_step": args.prompts * args.n,
         "samples_per_s": round(samples / sum(step_s), 3),
         "step_s": round(sum(step_s) / len(step_s), 2),
+        "step_s_each": [round(x, 3) for x in step_s],
         "phase_s": {
             p.removeprefix("timing_s/"): round(sum(r.get(p, 0.0) for r in timed) / len(timed), 3)
             for p in phases
@@ -349,6 +356,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--reward-latency", type=float, default=0.02, help="seconds per scored sample")
     parser.add_argument("--work", help="keep the assets and runs here (default: a temporary directory)")
     parser.add_argument("--run", help=argparse.SUPPRESS)
+    parser.add_argument("--rep", type=int, default=0, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -363,7 +371,7 @@ def main(argv=None) -> None:
         write_data(work, args.reward_latency)
         _, taught = build_model(work, args.teach_steps)
         print(json.dumps({"benchmark": "long_tail", "setup": taught}), flush=True)
-        results = {}
+        results: dict[str, list[dict]] = {}
         for mode in args.modes.split(","):
             child = [
                 sys.executable,
@@ -371,6 +379,8 @@ def main(argv=None) -> None:
                 *(argv if argv is not None else sys.argv[1:]),
                 "--run",
                 mode,
+                "--rep",
+                str(len(results.get(mode, []))),
                 "--work",
                 str(work),
             ]
@@ -379,23 +389,50 @@ def main(argv=None) -> None:
             if out.returncode or not lines:
                 sys.stderr.write(out.stderr[-5000:])
                 raise SystemExit(f"the {mode} run failed (exit {out.returncode})")
-            results[mode] = json.loads(lines[-1])
+            results.setdefault(mode, []).append(json.loads(lines[-1]))
             print(lines[-1], flush=True)
+        machine = {"benchmark": "long_tail", "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count()}
         if "sync" in results:
-            base = results["sync"]["samples_per_s"]
-            print(
-                json.dumps(
-                    {
-                        "benchmark": "long_tail",
-                        "date": time.strftime("%Y-%m-%d"),
-                        "cpus": os.cpu_count(),
-                        "speedup_over_sync": {
-                            m: round(r["samples_per_s"] / base, 3) for m, r in results.items()
-                        },
-                    }
-                ),
-                flush=True,
-            )
+            base = _mean([r["samples_per_s"] for r in results["sync"]])
+            speedup = {
+                m: round(_mean([r["samples_per_s"] for r in rs]) / base, 3) for m, rs in results.items()
+            }
+            print(json.dumps({**machine, "speedup_over_sync": speedup}), flush=True)
+        overhead = trace_overhead(results)
+        if overhead:
+            print(json.dumps({**machine, "trace_overhead": overhead}), flush=True)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def trace_overhead(results: dict[str, list[dict]]) -> dict:
+    """Per mode with a ``_traced`` twin: the traced runs' mean step time over the untraced ones' minus 1
+    (``step``, and the same for the generation phase), and the median over runs and timed steps of
+    (traced step i / untraced step i) minus 1, pairing the k-th traced run with the k-th untraced one."""
+    overhead = {}
+    for mode, traced in results.items():
+        plain = results.get(mode.removesuffix(TRACED)) if mode.endswith(TRACED) else None
+        if not plain:
+            continue
+        ratios = sorted(
+            t / p
+            for a, b in zip(traced, plain, strict=False)
+            for t, p in zip(a["step_s_each"], b["step_s_each"], strict=True)
+        )
+        middle = len(ratios) // 2
+        median = ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
+        step = [_mean([r["step_s"] for r in runs]) for runs in (traced, plain)]
+        gen = [_mean([r["phase_s"].get("gen", 0.0) for r in runs]) for runs in (traced, plain)]
+        overhead[mode] = {
+            "runs": [len(traced), len(plain)],
+            "step_s": [round(x, 3) for x in step],
+            "step": round(step[0] / step[1] - 1, 4),
+            "step_paired_median": round(median - 1, 4),
+            "gen": round(gen[0] / gen[1] - 1, 4) if gen[1] else None,
+        }
+    return overhead
 
 
 if __name__ == "__main__":
