@@ -2,7 +2,7 @@
 
     python -m hybridflow.plan_placement --profile profile.json --actor MODEL [--critic MODEL] [--ref]
         [--reward-model MODEL] --devices N [--nodes M] --batch B [--n N] --prompt-length P
-        --response-length R [--device-memory-gb G] [--top K] [key=value ...]
+        --response-length R [--device-memory-gb G] [--link-gb-per-s L] [--top K] [key=value ...]
 
 ``MODEL`` is a local Hugging Face model directory (only its ``config.json`` is read). ``--devices``
 counts the devices in all (GPUs, or 1-thread CPU worker processes), ``--nodes`` the machines they are
@@ -10,6 +10,12 @@ on. The ranking comes from the cost model the profile calibrates
 (:mod:`hybridflow.placement.cost_model`); the first line is what ``trainer.placement=auto`` picks for
 the same run. Extra ``key=value`` overrides go into the
 run's config (as for ``main_ppo``), e.g. ``actor_rollout_ref.actor.ppo_mini_batch_size=16``.
+
+Each line ends with the Ulysses sequence-parallel size of each role: raised above 1 only where the
+device memory needs it for long sequences (:mod:`hybridflow.placement.memory`), at the cost of the
+attention all-to-alls over ``--link-gb-per-s`` (default: the profile's ``link_gb_per_s``, else
+:data:`hybridflow.placement.cost_model.DEFAULT_LINK_GB_PER_S`). An sp > 1 set with
+``actor_rollout_ref.actor.ulysses_sequence_parallel_size=...`` (etc.) is kept.
 """
 
 from __future__ import annotations
@@ -62,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-length", type=int, required=True)
     parser.add_argument("--response-length", type=int, required=True)
     parser.add_argument("--device-memory-gb", type=float, default=None, help="default: the profile's")
+    parser.add_argument(
+        "--link-gb-per-s",
+        type=float,
+        default=None,
+        help="a worker's link for SP's all-to-alls, 1e9 bytes/s (default: the profile's, else 25)",
+    )
     parser.add_argument("--top", type=int, default=None, help="print only the best K")
     parser.add_argument("overrides", nargs="*", help="more config overrides, key=value")
     return parser
@@ -75,10 +87,13 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(plan_overrides(args))
     model, profile = load_profile(args.profile)
     memory = args.device_memory_gb or profile.get("device_memory_gb")
+    if args.link_gb_per_s:
+        model.link_gb_per_s = args.link_gb_per_s
     ranked = rank_placements(config, model, memory)
     if not ranked:
         raise SystemExit(
-            "no placement fits: check --device-memory-gb and that --batch x --n splits over the devices"
+            "no placement fits: check --device-memory-gb (at every allowed ulysses_sequence_parallel_size) "
+            "and that --batch x --n splits over the devices"
         )
     print(format_ranking(ranked, args.top))
 

@@ -20,6 +20,13 @@ A step (:func:`step_seconds`) is the dataflow's stages in order (HybridFlow's ``
 the preparation stage (old log-probs, reference log-probs, values, reward); the advantage; the update
 stage (critic and actor). Within a stage, phases on one pool queue behind each other and phases on
 different pools (and the driver's rule reward) run at the same time: the stage takes the longest lane.
+
+Ulysses sequence parallelism (sp > 1 for a role) changes no fitted term: the ``dp = workers / sp``
+groups each take ``rows / dp`` rows and every rank computes ``1 / sp`` of their tokens, so each rank's
+work is still ``work / workers``, and FSDP still shards over all the workers. What it adds is the
+all-to-all of attention (:meth:`Workload.alltoall_bytes`: the DeepSpeed-Ulysses volume, forward and,
+for an update, backward), timed over ``CostModel.link_gb_per_s``; it shows in the phase's stage. What
+it buys is memory (:mod:`.memory`).
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from hybridflow.utils.ulysses_rules import alltoall_bytes_per_layer
 
 # phase -> (role that runs it, stage). "driver" phases run in the driver process.
 PHASES: dict[str, tuple[str, str]] = {
@@ -40,11 +49,21 @@ PHASES: dict[str, tuple[str, str]] = {
     "update_actor": ("actor_rollout", "update"),
 }
 STAGES = ("gen", "prepare", "adv", "update")
+# Bytes per second of one rank's link for the all-to-alls when the profile names none: PCIe 4.0 x16's
+# order (NVLink is several times faster, so this overstates SP's cost there; gloo on one CPU machine
+# moves memory at a similar order). ``link_gb_per_s`` in the profile JSON, or plan_placement's
+# --link-gb-per-s, replaces it.
+DEFAULT_LINK_GB_PER_S = 25.0
+ACTIVATION_BYTES = 4  # fp32 activations (what this repository trains in on the CPU; bf16 halves it)
 
 
 @dataclass(frozen=True)
 class Workload:
-    """What one step computes: model sizes (parameters, layers) per role and the batch's shape."""
+    """What one step computes: model sizes (parameters, layers) per role and the batch's shape.
+
+    ``shapes``, ``micro_rows``, ``token_budget`` and ``checkpointing`` describe what sequence
+    parallelism needs (the all-to-all here, activation memory in :mod:`.memory`); a profile written
+    before they existed loads without them (they default to empty: no role can then use SP)."""
 
     params: dict[str, float]  # role -> parameters (actor_rollout, ref, critic, rm)
     layers: dict[str, int]
@@ -53,6 +72,20 @@ class Workload:
     response_length: int
     reward_model: bool = False
     old_log_prob: bool = True  # False: the update's own forward gives them (on-policy shortcut)
+    # role -> {"hidden", "heads", "kv_heads", "head_dim", "vocab"} of its model (config.json)
+    shapes: dict[str, dict[str, int]] = field(default_factory=dict)
+    # role -> sequences per micro-batch per data-parallel rank of its heaviest pass (the update for the
+    # actor and critic, the forward for the reference and reward model); 0: dynamic batch size (then
+    # token_budget); None: no micro-batch size, the rank's whole share of batch_rows
+    micro_rows: dict[str, int | None] = field(default_factory=dict)
+    batch_rows: dict[str, int] = field(default_factory=dict)  # role -> rows its pass splits over dp ranks
+    token_budget: dict[str, int] = field(default_factory=dict)  # role -> *_max_token_len_per_gpu
+    checkpointing: dict[str, bool] = field(default_factory=dict)  # role -> gradient checkpointing on
+
+    @property
+    def sequence_tokens(self) -> int:
+        """The longest sequence: prompt + response."""
+        return self.prompt_length + self.response_length
 
     def phases(self) -> list[str]:
         """The phases this workload runs."""
@@ -88,6 +121,23 @@ class Workload:
         role = self.role_of(phase)
         return 0.0 if role == "driver" else float(self.params[role])
 
+    def alltoall_bytes(self, phase: str, workers: int, sp: int) -> float:
+        """Bytes one rank sends through Ulysses' all-to-alls in ``phase`` at SP size ``sp``: the rows
+        of its data-parallel group (``rows / (workers / sp)``, each ``sequence_tokens`` long), every
+        layer, one pass for a forward and two (forward + backward) for an update
+        (:func:`hybridflow.utils.ulysses_rules.alltoall_bytes_per_layer`). Generation never runs
+        under SP (each rank decodes whole sequences)."""
+        role = self.role_of(phase)
+        if sp <= 1 or role == "driver" or phase == "gen":
+            return 0.0
+        shape = self.shapes[role]
+        tokens = self.rows * self.sequence_tokens / (max(int(workers), 1) // sp)
+        passes = 2 if phase.startswith("update") else 1
+        per_layer = alltoall_bytes_per_layer(
+            tokens, sp, shape["heads"], shape["kv_heads"], shape["head_dim"], ACTIVATION_BYTES
+        )
+        return passes * self.layers[role] * per_layer
+
     def features(self, phase: str, workers: int) -> tuple[float, float, float]:
         """``(serial, work / workers, comm * (workers - 1) / workers)``: what alpha, beta, gamma scale."""
         w = max(int(workers), 1)
@@ -111,6 +161,7 @@ class CostModel:
     fits: dict[str, PhaseFit]
     overhead_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    link_gb_per_s: float = DEFAULT_LINK_GB_PER_S  # the all-to-alls' bandwidth per rank (1e9 bytes/s)
 
     @classmethod
     def calibrate(cls, samples: list[dict]) -> CostModel:
@@ -132,10 +183,12 @@ class CostModel:
             overheads.append(max(sample["step_s"] - measured, 0.0))
         return cls(fits, overhead_s=sum(overheads) / max(len(overheads), 1))
 
-    def phase_seconds(self, load: Workload, phase: str, workers: int) -> float:
+    def phase_seconds(self, load: Workload, phase: str, workers: int, sp: int = 1) -> float:
+        """The fitted time at ``workers``, plus the all-to-alls' time at SP size ``sp``."""
         if phase not in self.fits:
             raise KeyError(f"the profile has no measurement of phase {phase!r}: profile a run that has it")
-        return self.fits[phase].seconds(load.features(phase, workers))
+        alltoall = load.alltoall_bytes(phase, workers, sp) / (self.link_gb_per_s * 1e9)
+        return self.fits[phase].seconds(load.features(phase, workers)) + alltoall
 
 
 def step_seconds(
@@ -144,16 +197,19 @@ def step_seconds(
     pool_of: dict[str, str],
     workers: dict[str, int],
     concurrent: bool = True,
+    sp: dict[str, int] | None = None,
 ) -> tuple[float, dict[str, float]]:
     """Predicted seconds of one step, and of each stage. ``pool_of``: role -> pool (roles on one pool
-    share its processes); ``workers``: pool -> worker processes."""
+    share its processes); ``workers``: pool -> worker processes; ``sp``: role -> Ulysses SP size
+    (default 1)."""
     lanes_by_stage: dict[str, dict[str, float]] = {stage: {} for stage in STAGES}
     for phase in load.phases():
         role = load.role_of(phase)
         lane = "driver" if role == "driver" else pool_of[role]
         n = 1 if role == "driver" else workers[lane]
         lanes = lanes_by_stage[PHASES[phase][1]]
-        lanes[lane] = lanes.get(lane, 0.0) + model.phase_seconds(load, phase, n)
+        size = (sp or {}).get(role, 1)
+        lanes[lane] = lanes.get(lane, 0.0) + model.phase_seconds(load, phase, n, size)
     stages = {
         stage: (max(lanes.values()) if concurrent else sum(lanes.values())) if lanes else 0.0
         for stage, lanes in lanes_by_stage.items()

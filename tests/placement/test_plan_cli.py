@@ -20,6 +20,7 @@ from dataclasses import asdict
 import pytest
 
 from hybridflow import plan_placement
+from hybridflow.placement.memory import activation_bytes
 from hybridflow.placement.planner import resolve_auto_placement, workload_from_config
 from hybridflow.placement.spec import placement_from_config
 from hybridflow.trainer.config import load_config, validate_config
@@ -98,10 +99,14 @@ def test_plan_prints_the_hand_derived_ranking(tiny_model_dir, profile_path, caps
 
 def test_device_memory_rules_out_placements_that_do_not_fit(tiny_model_dir, profile_path, capsys):
     # the actor's 20 bytes/param alone need about half of this budget per worker: a worker holding the
-    # actor and the critic (16 bytes/param) does not fit, two workers sharing them do
+    # actor and the critic (16 bytes/param) does not fit, two workers sharing them do. On top: the
+    # actor's activations, the largest (2 rows per micro-batch on any pool; the reference's 16-row
+    # micro-batch holds at most the 8 rows of a worker: 8 x 46 x (124 x 64 + 4 x 512) bytes, less)
     args = plan_placement.build_parser().parse_args(_args(tiny_model_dir, "unused"))
-    params = workload_from_config(load_config(plan_placement.plan_overrides(args))).params["actor_rollout"]
-    budget_gb = 30 * params / 2**30 / 0.9
+    load = workload_from_config(load_config(plan_placement.plan_overrides(args)))
+    activations = activation_bytes(load, "actor_rollout", 1, 1)
+    assert activations > activation_bytes(load, "ref", 1, 1)
+    budget_gb = (30 * load.params["actor_rollout"] + activations) / 2**30 / 0.9
     plan_placement.main([*_args(tiny_model_dir, profile_path), "--device-memory-gb", str(budget_gb)])
     lines = capsys.readouterr().out.strip().splitlines()[1:]
     assert [line.split(maxsplit=3)[3].split("  (")[0] for line in lines] == [
