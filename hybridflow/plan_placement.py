@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(plan_overrides(args))
     model, profile = load_profile(args.profile)
     memory = args.device_memory_gb or profile.get("device_memory_gb")
-    if args.link_gb_per_s:
+    if args.link_gb_per_s is not None:
+        if args.link_gb_per_s <= 0:
+            raise SystemExit(f"--link-gb-per-s {args.link_gb_per_s}: must be positive")
         model.link_gb_per_s = args.link_gb_per_s
     ranked = rank_placements(config, model, memory)
     if not ranked:

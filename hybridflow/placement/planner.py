@@ -274,7 +274,9 @@ def load_profile(path: str) -> tuple[CostModel, dict]:
         profile = json.load(f)
     samples = [{**s, "workload": Workload(**s["workload"])} for s in profile["samples"]]
     model = CostModel.calibrate(samples)
-    if profile.get("link_gb_per_s"):
+    if profile.get("link_gb_per_s") is not None:
+        if not float(profile["link_gb_per_s"]) > 0:
+            raise ValueError(f"{path}: link_gb_per_s={profile['link_gb_per_s']!r} must be positive")
         model.link_gb_per_s = float(profile["link_gb_per_s"])
     return model, profile
 
