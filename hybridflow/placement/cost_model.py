@@ -49,10 +49,10 @@ PHASES: dict[str, tuple[str, str]] = {
     "update_actor": ("actor_rollout", "update"),
 }
 STAGES = ("gen", "prepare", "adv", "update")
-# Bytes per second of one rank's link for the all-to-alls when the profile names none: PCIe 4.0 x16's
-# order (NVLink is several times faster, so this overstates SP's cost there; gloo on one CPU machine
-# moves memory at a similar order). ``link_gb_per_s`` in the profile JSON, or plan_placement's
-# --link-gb-per-s, replaces it.
+# 1e9 bytes per second of one rank's link for the all-to-alls when the profile names none: PCIe 4.0
+# x16's order, a stated default, not a measurement (NVLink is several times faster, so it overstates
+# SP's cost there). ``link_gb_per_s`` in the profile JSON, or plan_placement's --link-gb-per-s,
+# replaces it.
 DEFAULT_LINK_GB_PER_S = 25.0
 ACTIVATION_BYTES = 4  # fp32 activations (what this repository trains in on the CPU; bf16 halves it)
 
@@ -61,7 +61,7 @@ ACTIVATION_BYTES = 4  # fp32 activations (what this repository trains in on the 
 class Workload:
     """What one step computes: model sizes (parameters, layers) per role and the batch's shape.
 
-    ``shapes``, ``micro_rows``, ``token_budget`` and ``checkpointing`` describe what sequence
+    ``shapes``, ``micro_rows``, ``batch_rows``, ``token_budget`` and ``checkpointing`` describe what sequence
     parallelism needs (the all-to-all here, activation memory in :mod:`.memory`); a profile written
     before they existed loads without them (they default to empty: no role can then use SP)."""
 
@@ -72,7 +72,7 @@ class Workload:
     response_length: int
     reward_model: bool = False
     old_log_prob: bool = True  # False: the update's own forward gives them (on-policy shortcut)
-    # role -> {"hidden", "heads", "kv_heads", "head_dim", "vocab"} of its model (config.json)
+    # role -> {"hidden", "heads", "kv_heads", "head_dim", "vocab", "vision"} of its model (config.json)
     shapes: dict[str, dict[str, int]] = field(default_factory=dict)
     # role -> sequences per micro-batch per data-parallel rank of its heaviest pass (the update for the
     # actor and critic, the forward for the reference and reward model); 0: dynamic batch size (then
