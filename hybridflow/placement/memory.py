@@ -20,18 +20,19 @@ CPU, 24 GiB): one PPO update of one 8192-token sequence per data-parallel rank o
 through each rank's layers) and by 868 MiB at SP = 2 x DP = 1 (4096). Halving the tokens saved 496 MiB,
 so the part that splits was 992 MiB at SP = 1: 992 MiB / (8192 tokens x 256 hidden x 4 layers) = 124
 bytes per token x hidden x layer (31 fp32 values: the layer's saved activations, and the tiny model's
-logits, folded in: its vocabulary is 4 x hidden x layers, more than most models', so the constant errs
-large for them). The 1364 - 992 = 372 MiB that did not split, 47 616 bytes per token of the sequence,
-is what every rank holds whole: the gathered per-token log-normaliser, entropy and log-prob, the
-gradients and optimizer-step temporaries of the parameters, the allocator's slack. One sequence length
-was measured, so its fixed part cannot be told from its per-token part; scaling it with the tokens
-errs large for longer sequences. Derived, not measured: gradient checkpointing keeps each layer's input
-(4 bytes x hidden per token) and one layer's activations during its recomputation; a frozen role's
-forward (no gradients, no optimizer step) holds one layer's activations at a time and its logits
-(4 bytes x vocab per token), and gathers a few values per token. Not modelled: bf16 activations
-(about half), the actor's forward log-prob pass (less than its update unless its micro-batch is much
-larger), the rollout's KV cache (the :data:`MEMORY_HEADROOM` left over covers it and the allocator's
-slack)."""
+logits, folded in: its vocabulary is 4 x hidden x layers, so the constant errs large for a model with
+a smaller ratio, small for a larger one). The 1364 - 992 = 372 MiB that did not split, 47 616 bytes
+per token of the sequence, is what every rank holds whole: the gathered per-token log-normaliser,
+entropy and log-prob, the gradients and optimizer-step temporaries of the parameters, the allocator's
+slack. Checked against the other measurements (the docs' table): -2% to +11% at sp 1 and 2 from 4k to
+32k tokens (so the unsplit part does grow with the tokens), +60% at sp 4 (the peak fell faster than
+this two-term form), +32% / +39% at vocabulary 1024. Derived, not measured: gradient checkpointing
+keeps each layer's input (4 bytes x hidden per token) and one layer's activations during its
+recomputation; a frozen role's forward (no gradients, no optimizer step) holds one layer's activations
+at a time and its logits (4 bytes x vocab per token), and gathers a few values per token. Not
+modelled: bf16 activations (about half), the actor's forward log-prob pass (less than its update
+unless its micro-batch is much larger), the rollout's KV cache (the :data:`MEMORY_HEADROOM` left over
+covers it and the allocator's slack)."""
 
 from __future__ import annotations
 
