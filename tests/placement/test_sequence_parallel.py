@@ -218,3 +218,22 @@ def test_lora_reference_takes_the_actor_s_sp(base_config):
     assert ranked and all(c.sp == {"actor_rollout": 2, "ref": 2} for c in ranked)
     without_lora = _config(base_config, actor_rollout_ref__actor__use_kl_loss=True)
     assert {c.sp["ref"] for c in rank_placements(without_lora, MODEL, _memory_gb(1100))} == {1}
+
+
+def test_the_critic_gets_its_own_sp(base_config, model_dir):
+    # GAE with a critic of the same shape (16 bytes/param resident, the same activations as the actor)
+    config = _config(
+        base_config, critic__enable=True, critic__model__path=model_dir, algorithm__adv_estimator="gae"
+    )
+    candidates = [Placement({"a": (2,), "c": (2,)}, {"actor_rollout": "a", "critic": "c"})]
+    [cand] = rank_placements(config, MODEL, _memory_gb(1100), candidates)
+    assert cand.sp == {"actor_rollout": 2, "critic": 2}
+    load = workload_from_config(config)
+    pools = {"actor_rollout": "a", "critic": "c"}
+    _, at_one = step_seconds(MODEL, load, pools, {"a": 2, "c": 2})
+    link = MODEL.link_gb_per_s * 1e9
+    # prepare is the critic's values lane (no old-log-prob pass: one mini-batch, one epoch); on 2 workers
+    # at sp 2 one group (dp 1) takes all 4 rows: 1/2 x (4 x 8192) / 2 x 24 heads x 32 x 4 bytes a layer
+    values_a2a = 4 * (1 / 2 * (4 * 8192) / 2 * 24 * 32 * 4) / link
+    assert load.alltoall_bytes("values", 2, 2) / link == pytest.approx(values_a2a, rel=1e-12)
+    assert cand.stages["prepare"] == pytest.approx(at_one["prepare"] + values_a2a, rel=1e-9)
