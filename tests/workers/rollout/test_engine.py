@@ -277,3 +277,20 @@ def test_cpu_decode_attention_equals_sdpa(dtype):
         warnings.simplefilter("ignore")  # eager FlexAttention's "not compiled" notice
         flex = flex_attention_valid(q, k, v, lengths)
     torch.testing.assert_close(flex.double(), expected, atol=tolerance, rtol=0)
+
+
+def test_fused_rms_norm_and_rope_give_the_hf_formulas_bits():
+    """The engine's fp32 RMSNorm (torch's fused op) and RoPE (a roll against a sign-flipped sin table)
+    are HF's formulas bit for bit: normalise, cast, scale; ``x * cos + rotate_half(x) * sin``."""
+    from hybridflow.workers.rollout.engine.model import apply_rope, rms_norm, signed_sin
+
+    gen = torch.Generator().manual_seed(5)
+    for hidden in (8, 64, 576, 3584):
+        x = torch.randn(3, 17, hidden, generator=gen) * 7
+        weight = torch.randn(hidden, generator=gen)
+        x32 = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        assert torch.equal(rms_norm(x, weight, 1e-6), weight * x32)
+    x = torch.randn(4, 5, 6, 64, generator=gen)
+    cos, sin = torch.randn(4, 5, 1, 64, generator=gen), torch.randn(4, 5, 1, 64, generator=gen)
+    rotated = torch.cat((-x[..., 32:], x[..., :32]), dim=-1)
+    assert torch.equal(apply_rope(x, cos, signed_sin(sin)), x * cos + rotated * sin)

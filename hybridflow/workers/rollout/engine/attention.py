@@ -27,8 +27,6 @@ import os
 import torch
 import torch.nn.functional as F
 
-from hybridflow.models.attention import grouped_attention
-
 FLEX_BLOCK = 128  # key positions per FlexAttention block (its kernels' default)
 
 
@@ -45,16 +43,36 @@ def pick_backend(device: torch.device, captured: bool) -> str:
     return "span"
 
 
-def span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def span_mask(lengths: torch.Tensor, span: int) -> torch.Tensor:
+    """(B, 1, 1, span) bool, True at the positions row b must not read (past ``lengths[b]``): the
+    same for every layer of a decode step, so it is made once per step."""
+    return (torch.arange(span, device=lengths.device) > lengths.unsqueeze(1))[:, None, None, :]
+
+
+def span_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    hidden: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q (B, nh, 1, hd), k and v (B, nkv, S, hd) (the first S cached positions), lengths (B,) →
-    (B, nh, 1, hd), row b attending to positions ``0..lengths[b]``. SDPA on CUDA; on the CPU the
-    grouped matmuls of :func:`~hybridflow.models.attention.grouped_attention` (SDPA's flash kernel is
-    slow for one query: B = 32, 4/2 heads of 64, S = 146, one thread: fp32 460 us against 376 us,
-    bf16 2257 us against 547 us)."""
-    visible = torch.arange(k.shape[2], device=k.device).unsqueeze(0) <= lengths.unsqueeze(1)  # (B, S)
+    (B, nh, 1, hd), row b attending to positions ``0..lengths[b]``; ``hidden``: :func:`span_mask` of
+    ``lengths`` and S when the caller made it already. SDPA on CUDA; on the CPU the grouped matmuls of
+    :func:`~hybridflow.models.attention.grouped_attention` with one query, op for op (SDPA's flash
+    kernel is slow for one query: B = 32, 4/2 heads of 64, S = 146, one thread: fp32 460 us against
+    376 us, bf16 2257 us against 547 us)."""
+    if hidden is None:
+        hidden = span_mask(lengths, k.shape[2])
     if q.device.type != "cpu":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None, None, :], enable_gqa=True)
-    return grouped_attention(q, k, v, visible[:, None, None, :], q.shape[-1] ** -0.5)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=~hidden, enable_gqa=True)
+    batch, num_heads, _, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    rows = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # a group's heads: one matmul
+    scores = torch.matmul(rows, k.transpose(-1, -2)) * head_dim**-0.5  # (B, nkv, g, S)
+    scores.masked_fill_(hidden, torch.finfo(scores.dtype).min)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+    return torch.matmul(weights.to(v.dtype), v).view(batch, num_heads, 1, head_dim)
 
 
 def flex_attention_valid(

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridflow.workers.lora import hf_parameter_names, merged_hf_weights, unwrap_peft
-from hybridflow.workers.rollout.engine.attention import flex_attention_valid, span_attention
+from hybridflow.workers.rollout.engine.attention import flex_attention_valid, span_attention, span_mask
 from hybridflow.workers.rollout.engine.parallel import (
     SINGLE,
     GenerationShard,
@@ -167,15 +167,26 @@ class LayerWeights:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: normalise in fp32, cast back, then scale."""
+    """HF's RMSNorm: normalise in fp32, cast back, then scale. fp32 on the CPU: torch's fused
+    ``rms_norm`` (one op instead of seven; the same bits, tests/workers/rollout/test_engine.py)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu":
+        return torch.rms_norm(x, (x.shape[-1],), weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` (..., hd) with its first half negated: HF's ``rotate_half(x) * sin`` (rotate_half:
+    ``cat(-x2, x1)``) is then ``x.roll(hd // 2, -1) * signed_sin(sin)`` bit for bit (a sign flip is
+    exact), with no negation and concatenation per call."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin`` (x (..., hd)) with :func:`signed_sin`'s table."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
 class EngineModel:
@@ -200,6 +211,7 @@ class EngineModel:
         self.max_positions = rope_cos.shape[0]
         self.rope_cos = rope_cos.to(device=device, dtype=dtype)  # (max_positions, hd)
         self.rope_sin = rope_sin.to(device=device, dtype=dtype)
+        self.rope_sin_signed = signed_sin(self.rope_sin)  # what the forwards take (apply_rope)
         self.act = _activation(spec.hidden_act)
         # CPU: linear weights also kept in oneDNN's packed layout (what vLLM-CPU does; 2-3x the fp32
         # GEMM throughput of torch.mm at decode batch sizes), rebuilt after any weight changes
@@ -366,10 +378,14 @@ class EngineModel:
             span = cache.max_len
         elif span is None:
             span = int(lengths.max()) + 1
-        attend = flex_attention_valid if attention == "flex" else span_attention
+        if attention == "flex":
+            attend = flex_attention_valid
+        else:  # the rows' masks once for every layer
+            hidden = span_mask(lengths, span)
+            attend = lambda q, k, v, lengths: span_attention(q, k, v, lengths, hidden)  # noqa: E731
         write_at = cache.flat_positions(lengths)  # (B * nkv,) rows of the flattened cache
         cos = self.rope_cos[lengths].unsqueeze(1)  # (B, 1, hd)
-        sin = self.rope_sin[lengths].unsqueeze(1)
+        sin = self.rope_sin_signed[lengths].unsqueeze(1)
         x = self._embed(tokens)  # (B, H)
         for layer, (k_cache, v_cache) in zip(self.layers, cache.layers, strict=True):
             q, k, v = self._qkv(layer, rms_norm(x, layer.input_norm, spec.rms_norm_eps), cos, sin)
@@ -389,7 +405,7 @@ class EngineModel:
         spec = self.spec
         n_prompts, width = tokens.shape
         cos = self.rope_cos[:width].unsqueeze(0)  # (1, T, hd)
-        sin = self.rope_sin[:width].unsqueeze(0)
+        sin = self.rope_sin_signed[:width].unsqueeze(0)
         x = self._embed(tokens)  # (P, T, H)
         for layer, (k_cache, v_cache) in zip(self.layers, cache.layers, strict=True):
             q, k, v = self._qkv(layer, rms_norm(x, layer.input_norm, spec.rms_norm_eps), cos, sin)
@@ -401,22 +417,26 @@ class EngineModel:
         return self._logits(rms_norm(last, self.final_norm, spec.rms_norm_eps))
 
     def _qkv(self, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """h (..., H) → q (N, nh, T, hd), k and v (N, nkv, T, hd) with RoPE applied (T = 1 in decode)."""
+        """h (..., H) → q (N, nh, T, hd), k and v (N, nkv, T, hd) with RoPE applied (T = 1 in decode).
+        cos and sin (N | 1, T, hd): ``rope_cos`` and ``rope_sin_signed`` at the positions."""
         spec = self.spec
         qkv = self._linear(h, layer.qkv, layer.qkv_bias)
         if qkv.dim() == 2:
             qkv = qkv.unsqueeze(1)  # decode: (B, 1, ...)
         n, width = qkv.shape[:2]
-        q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
-        q = q.view(n, width, spec.num_heads, spec.head_dim)
-        k = k.view(n, width, spec.num_kv_heads, spec.head_dim)
-        if layer.q_norm is not None:
-            q = rms_norm(q, layer.q_norm, spec.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, spec.rms_norm_eps)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = v.reshape(n, width, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads: (N | 1, T, 1, hd)
+        q_end, k_end = spec.q_size, spec.q_size + spec.kv_size
+        if layer.q_norm is None:  # q and k side by side in qkv: rotated together, one op each
+            qk = qkv[..., :k_end].view(n, width, spec.num_heads + spec.num_kv_heads, spec.head_dim)
+            qk = apply_rope(qk, cos, sin)
+            q, k = qk[:, :, : spec.num_heads], qk[:, :, spec.num_heads :]
+        else:
+            q = qkv[..., :q_end].view(n, width, spec.num_heads, spec.head_dim)
+            k = qkv[..., q_end:k_end].view(n, width, spec.num_kv_heads, spec.head_dim)
+            q = apply_rope(rms_norm(q, layer.q_norm, spec.rms_norm_eps), cos, sin)
+            k = apply_rope(rms_norm(k, layer.k_norm, spec.rms_norm_eps), cos, sin)
+        v = qkv[..., k_end:].view(n, width, spec.num_kv_heads, spec.head_dim)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def _finish_layer(self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Attention output projection, residual, then the gated MLP and its residual."""
