@@ -3,8 +3,9 @@ same world size (4 workers) and micro-batch: the per-rank peak memory each run r
 
 Responses reach ``--response-length`` tokens with ``rollout.ignore_eos=true``. The model is the tiny
 model family of ``hybridflow.models.tiny`` with ``max_position_embeddings`` covering prompt + response.
-Each run prints one JSON line: its step times and the workers' peak resident memory
-(``perf/cpu_peak_rss_gb``, the largest over the actor's ranks: the whole process, generation included).
+Each run prints one JSON line: its step times, the actor update's peak resident memory on the largest
+rank (``perf/update_actor_max_rss_gb``: the update's own high-water mark, reset as it starts) and the
+workers' whole-process peak (``perf/cpu_peak_rss_gb``, the mean over the ranks: generation included).
 
     python benchmarks/sp_long_response.py --response-length 2048 --work /tmp/sp_long
 """
@@ -110,7 +111,8 @@ def main() -> None:
                     "workers": 4,
                     "response_length": args.response_length,
                     "response_length_mean": [r.get("response_length/mean") for r in records],
-                    "peak_rss_gb_per_rank": [r.get("perf/cpu_peak_rss_gb") for r in records],
+                    "update_peak_rss_gb_max_rank": [r.get("perf/update_actor_max_rss_gb") for r in records],
+                    "process_peak_rss_gb_mean_rank": [r.get("perf/cpu_peak_rss_gb") for r in records],
                     "step_s": [r.get("timing_s/step") for r in records],
                     "wall_s": round(time.perf_counter() - start, 1),
                 }

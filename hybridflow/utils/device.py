@@ -17,6 +17,7 @@ backend is gloo, so device-agnostic verl code runs unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -116,11 +117,54 @@ def default_compute_dtype(kind: str) -> torch.dtype:
     return torch.bfloat16 if kind == "cuda" else torch.float32
 
 
+_process_peak_kib = 0  # the largest VmHWM read before a phase reset it (see phase_peak_rss)
+
+
+def _vm_hwm_kib() -> int | None:
+    """This process's peak resident set since start or the last reset (Linux ``VmHWM``), KiB."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+@contextlib.contextmanager
+def phase_peak_rss():
+    """Measure the peak resident set of one phase of this process (a dict ``{"gb": ...}`` filled on exit).
+
+    Linux keeps one high-water mark per process (``VmHWM``, which ``getrusage``'s ``ru_maxrss`` also
+    reads); writing ``5`` to ``/proc/self/clear_refs`` resets it to the current resident set. The
+    mark reached before the reset is kept for :func:`memory_metrics`' whole-process peak. Where the
+    reset is not allowed the phase's figure is the whole-process peak (never less than the truth)."""
+    global _process_peak_kib
+    result: dict[str, float] = {}
+    before = _vm_hwm_kib()
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+    except OSError:
+        pass
+    if before is not None:
+        _process_peak_kib = max(_process_peak_kib, before)
+    try:
+        yield result
+    finally:
+        after = _vm_hwm_kib()
+        if after is not None:
+            _process_peak_kib = max(_process_peak_kib, after)
+            result["gb"] = after / 2**20
+
+
 def memory_metrics() -> dict[str, float]:
     """Peak memory of this process: resident set (all devices) and, on CUDA, the allocator's peaks."""
     import resource
 
-    metrics = {"perf/cpu_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    peak_kib = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, _process_peak_kib)
+    metrics = {"perf/cpu_peak_rss_gb": peak_kib / 2**20}
     if device_type() == "cuda":
         metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
         metrics["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30

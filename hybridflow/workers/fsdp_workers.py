@@ -418,14 +418,19 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
     def update_actor(self, data: DataProto) -> DataProto:
         """One PPO update on this rank's shard; returns metrics (means over micro-batches)."""
         self._use_training_temperature(data)
+        from hybridflow.utils.device import phase_peak_rss
+
         start = time.perf_counter()
         lr = self.actor_parts.lr_scheduler.get_last_lr()[0]
-        metrics = _mean_metrics(self.actor.update_policy(data))
+        with phase_peak_rss() as update_peak:  # the update's own peak: activations of one micro-batch
+            metrics = _mean_metrics(self.actor.update_policy(data))
         self.actor_parts.lr_scheduler.step()
         self._rollout_weights_stale = self._is_rollout
         metrics.update(
             {"actor/lr": lr, "timing_s/update_actor_worker": time.perf_counter() - start, **_memory_metrics()}
         )
+        if "gb" in update_peak:
+            metrics["perf/update_actor_max_rss_gb"] = update_peak["gb"]  # "max": the largest rank
         return DataProto(meta_info={"metrics": metrics})
 
 

@@ -64,3 +64,18 @@ def test_cuda_layouts_are_checked_before_anything_starts(monkeypatch):
     assert device_problems("cuda", 1) == []
     (problem,) = device_problems("cuda", 2)
     assert "n_gpus_per_node=2 worker processes need one GPU each, but 1 GPU(s) are visible" in problem
+
+
+def test_a_phase_reports_its_own_peak_and_the_process_peak_keeps_the_largest():
+    import numpy as np
+
+    from hybridflow.utils.device import memory_metrics, phase_peak_rss
+
+    size = 256 * 2**20
+    with phase_peak_rss() as big:
+        block = np.ones(size // 8)  # 256 MiB touched, then freed
+        del block
+    with phase_peak_rss() as small:
+        pass
+    assert big["gb"] - small["gb"] >= 0.9 * size / 2**30  # the reset forgot the first phase's block
+    assert memory_metrics()["perf/cpu_peak_rss_gb"] >= big["gb"]  # the whole-process peak did not
