@@ -11,6 +11,7 @@ import time
 import pytest
 
 from hybridflow.trainer.ppo.preemption import StopRequest, TrainingPreempted
+from hybridflow.utils.process_reaper import SCAN_INTERVAL_S
 
 
 def test_first_signal_asks_to_stop_the_second_abandons(capsys):
@@ -55,7 +56,7 @@ def test_the_reaper_kills_what_a_killed_driver_left_behind(tmp_path):
     )
     proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
     grandchild = int(proc.stdout.readline())
-    time.sleep(0.5)  # the reaper's first scan
+    time.sleep(SCAN_INTERVAL_S + 0.5)  # a reaper scan after the grandchild started (the first may precede it)
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 5
