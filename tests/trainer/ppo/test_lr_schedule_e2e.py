@@ -14,7 +14,6 @@ with k = step - 1 (the first update uses the schedule's value at 0).
 """
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -104,27 +103,3 @@ def test_a_run_resumed_mid_schedule_continues_the_same_rates(
     assert sorted(resumed) == [3, 4]
     for key in ("actor/lr", "critic/lr"):
         assert _lrs(resumed, key, (3, 4)) == pytest.approx(_lrs(ppo_run["metrics"], key, (3, 4)), abs=1e-15)
-
-
-def test_cosine_without_warmup_over_the_epochs_of_a_grpo_run(
-    ray_session, tiny_model_dir, arithmetic_data, tmp_path
-):
-    # no total_training_steps: T = batches per epoch x epochs = (64 prompts // 16) x 1 = 4, W = 0, m = 0:
-    # 1/2 (1 + cos(pi k / 4)) for k = 0..3
-    metrics = _run(
-        tmp_path,
-        tiny_model_dir,
-        arithmetic_data,
-        "grpo",
-        **{
-            "algorithm.adv_estimator": "grpo",
-            "data.train_batch_size": 16,
-            "actor_rollout_ref.actor.ppo_mini_batch_size": 16,
-            "trainer.total_training_steps": "null",
-            "trainer.total_epochs": 1,
-            "actor_rollout_ref.actor.optim.warmup_style": "cosine",
-        },
-    )
-    expected = [LR * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(4)]
-    assert sorted(metrics) == [1, 2, 3, 4]
-    assert _lrs(metrics, "actor/lr", range(1, 5)) == pytest.approx(expected, abs=1e-12)
