@@ -11,8 +11,9 @@ a served teacher, against GRPO alone at the same wall clock.
    by pure on-policy distillation (``actor_rollout_ref.teacher``, verl's top-k KL) for
    ``--minutes`` of wall clock, validating greedily every few steps;
 3. ``grpo``: the same student trained by GRPO against the exact-answer reward, same minutes, same workers;
-4. ``summary``: one JSON line per run (greedy accuracy before / after, points gained, seconds) and
-   ``distill_vs_grpo.png`` (validation accuracy against wall-clock seconds).
+4. ``summary``: one JSON line per run (greedy accuracy before / after, points gained, seconds, the
+   accuracy at 15 s ... 10 min; ``summary.jsonl`` with the whole curves) and ``distill_vs_grpo.png``
+   (validation accuracy against the seconds since training began).
 
 ``models`` = ``teacher`` then ``student`` (each its own stage too). Each stage is one heavy job (run them
 one at a time on a shared machine). The student runs are the real stack: Ray worker groups, FSDP2 over
@@ -321,6 +322,8 @@ def clock_kind(out: Path, name: str) -> str:
 
 
 def summary(out: Path) -> list[dict]:
+    """One line per run, printed without its curve (``accuracy_at_s``: the last validation at or before
+    each mark); ``summary.jsonl`` keeps the whole curves; the plot."""
     lines = []
     for name in ("distill", "grpo"):
         if not (out / "outputs" / "distill_example" / name / "metrics.jsonl").exists():
@@ -328,6 +331,7 @@ def summary(out: Path) -> list[dict]:
         points = curve(out, name)
         if not points:
             continue
+        late = [a for s, a in points if s > points[-1][0] / 2]
         lines.append(
             {
                 "run": name,
@@ -339,12 +343,20 @@ def summary(out: Path) -> list[dict]:
                 "first_plus_30_points_s": next(
                     (s for s, a in points if a - points[0][1] >= 0.30 - 1e-9), None
                 ),
+                "first_90_percent_s": next((s for s, a in points if a >= 0.9), None),
+                "accuracy_at_s": [
+                    [mark, [a for s, a in points if s <= mark][-1]]
+                    for mark in (15, 30, 60, 120, 300, 600)
+                    if mark <= points[-1][0] + 1
+                ],
+                "mean_second_half": round(sum(late) / len(late), 3),
                 "best": max(a for _, a in points),
                 "validations": len(points),
                 "curve": points,
             }
         )
-        print(json.dumps(lines[-1]), flush=True)
+        print(json.dumps({k: v for k, v in lines[-1].items() if k != "curve"}), flush=True)
+    (out / "summary.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     plot(out, lines)
     return lines
 
@@ -355,10 +367,13 @@ def plot(out: Path, lines: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(6, 3.5))
+    figure, axis = plt.subplots(figsize=(7, 3.5))
     for line in lines:
         seconds, accuracy = zip(*line["curve"], strict=True)
-        axis.plot(seconds, [100 * a for a in accuracy], marker="o", label=line["run"])
+        axis.plot(seconds, [100 * a for a in accuracy], marker=".", linewidth=1, label=line["run"])
+    if lines:
+        target = 100 * lines[0]["accuracy_before"] + 30
+        axis.axhline(target, color="grey", linestyle=":", linewidth=1, label="start + 30 points")
     axis.set_xlabel("seconds since training began")
     axis.set_ylabel("greedy test accuracy (%)")
     axis.legend()
