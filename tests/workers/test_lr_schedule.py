@@ -46,27 +46,39 @@ def test_cosine_without_total_steps_is_an_error():
         lrs({"lr": 1.0, "lr_warmup_steps_ratio": 0.5, "total_training_steps": -1}, 1)
 
 
-def test_ppo_trainer_gives_actor_and_critic_schedules_the_run_length(
-    tiny_model_dir, arithmetic_data, tmp_path
-):
-    train, test = arithmetic_data
+def _built_trainer_config(model_dir, data, tmp_path, *overrides: str):
+    """The config after ``build_trainer`` (which writes the run's length into the optim sections), with a
+    cosine actor schedule of peak 1.0 and ``overrides``."""
+    train, test = data
     config = load_config(
         [
             f"data.train_files={train}",
             f"data.val_files={test}",
-            f"actor_rollout_ref.model.path={tiny_model_dir}",
-            "trainer.total_training_steps=4",
+            f"actor_rollout_ref.model.path={model_dir}",
             "trainer.logger=[console]",
             "actor_rollout_ref.actor.optim.lr=1.0",
             "actor_rollout_ref.actor.optim.warmup_style=cosine",
-            "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.5",
-            "critic.optim.warmup_style=cosine",
+            *overrides,
         ]
     )
     OmegaConf.resolve(config)
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(tmp_path)
         build_trainer(config)
+    return config
+
+
+def test_ppo_trainer_gives_actor_and_critic_schedules_the_run_length(
+    tiny_model_dir, arithmetic_data, tmp_path
+):
+    config = _built_trainer_config(
+        tiny_model_dir,
+        arithmetic_data,
+        tmp_path,
+        "trainer.total_training_steps=4",
+        "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.5",
+        "critic.optim.warmup_style=cosine",
+    )
     actor_optim = OmegaConf.to_container(config.actor_rollout_ref.actor.optim)
     assert actor_optim["total_training_steps"] == 4
     assert config.critic.optim.total_training_steps == 4
@@ -80,26 +92,16 @@ def test_without_total_steps_the_run_length_is_the_batches_of_the_epochs(
     """No ``total_training_steps``: T = batches per epoch x epochs = (64 prompts // 16) x 1 = 4, W = 0,
     m = 0, so a cosine without warmup gives 1/2 (1 + cos(pi k / 4)) for k = 0..3 (the GRPO run's actor
     receives these, as the PPO run's does in tests/trainer/ppo/test_lr_schedule_e2e.py)."""
-    train, test = arithmetic_data
-    config = load_config(
-        [
-            f"data.train_files={train}",
-            f"data.val_files={test}",
-            f"actor_rollout_ref.model.path={tiny_model_dir}",
-            "algorithm.adv_estimator=grpo",
-            "data.train_batch_size=16",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=16",
-            "trainer.total_training_steps=null",
-            "trainer.total_epochs=1",
-            "trainer.logger=[console]",
-            "actor_rollout_ref.actor.optim.lr=1.0",
-            "actor_rollout_ref.actor.optim.warmup_style=cosine",
-        ]
+    config = _built_trainer_config(
+        tiny_model_dir,
+        arithmetic_data,
+        tmp_path,
+        "algorithm.adv_estimator=grpo",
+        "data.train_batch_size=16",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+        "trainer.total_training_steps=null",
+        "trainer.total_epochs=1",
     )
-    OmegaConf.resolve(config)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(tmp_path)
-        build_trainer(config)
     actor_optim = OmegaConf.to_container(config.actor_rollout_ref.actor.optim)
     assert actor_optim["total_training_steps"] == 4
     assert lrs(actor_optim, 4) == pytest.approx([0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(4)])
