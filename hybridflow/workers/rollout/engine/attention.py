@@ -71,8 +71,12 @@ def span_attention(
     rows = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # a group's heads: one matmul
     scores = torch.matmul(rows, k.transpose(-1, -2)) * head_dim**-0.5  # (B, nkv, g, S)
     scores.masked_fill_(hidden, torch.finfo(scores.dtype).min)
-    weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
-    return torch.matmul(weights.to(v.dtype), v).view(batch, num_heads, 1, head_dim)
+    if scores.dtype == torch.float32:
+        weights = torch.softmax(scores, dim=-1)
+    else:  # the softmax in fp32 at least, as grouped_attention
+        weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+        weights = weights.to(v.dtype)
+    return torch.matmul(weights, v).view(batch, num_heads, 1, head_dim)
 
 
 def flex_attention_valid(

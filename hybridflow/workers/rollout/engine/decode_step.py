@@ -182,7 +182,8 @@ class DecodeStep:
         tokens.copy_(chosen)
         b.log_probs[:size].copy_(log_probs)
         lengths.add_(1)
-        b.keys[2, :size].add_(1)
+        if seeded:  # the streams' positions (read only by seeded steps; uploaded with every burst)
+            b.keys[2, :size].add_(1)
 
     def _prepare(self, rows: StepRows) -> _Buffers:
         """The buffers (re-made when the cache or the weights moved), with the rows uploaded."""

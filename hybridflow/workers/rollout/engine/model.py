@@ -384,8 +384,8 @@ class EngineModel:
             hidden = span_mask(lengths, span)
             attend = lambda q, k, v, lengths: span_attention(q, k, v, lengths, hidden)  # noqa: E731
         write_at = cache.flat_positions(lengths)  # (B * nkv,) rows of the flattened cache
-        cos = self.rope_cos[lengths].unsqueeze(1)  # (B, 1, hd)
-        sin = self.rope_sin_signed[lengths].unsqueeze(1)
+        cos = self.rope_cos[lengths][:, None, None, :]  # (B, 1, 1, hd): one query, every head
+        sin = self.rope_sin_signed[lengths][:, None, None, :]
         x = self._embed(tokens)  # (B, H)
         for layer, (k_cache, v_cache) in zip(self.layers, cache.layers, strict=True):
             q, k, v = self._qkv(layer, rms_norm(x, layer.input_norm, spec.rms_norm_eps), cos, sin)
@@ -404,8 +404,7 @@ class EngineModel:
         token under the causal mask, so no padding mask is needed."""
         spec = self.spec
         n_prompts, width = tokens.shape
-        cos = self.rope_cos[:width].unsqueeze(0)  # (1, T, hd)
-        sin = self.rope_sin_signed[:width].unsqueeze(0)
+        cos, sin = self.rope_at(width)  # (1, T, 1, hd)
         x = self._embed(tokens)  # (P, T, H)
         for layer, (k_cache, v_cache) in zip(self.layers, cache.layers, strict=True):
             q, k, v = self._qkv(layer, rms_norm(x, layer.input_norm, spec.rms_norm_eps), cos, sin)
@@ -416,15 +415,19 @@ class EngineModel:
         last = x[torch.arange(n_prompts, device=x.device), lengths - 1]  # (P, H)
         return self._logits(rms_norm(last, self.final_norm, spec.rms_norm_eps))
 
+    def rope_at(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin (1, T, 1, hd) of positions ``0..width-1`` (a prefill's), as
+        :meth:`_qkv` takes them."""
+        return self.rope_cos[:width][None, :, None, :], self.rope_sin_signed[:width][None, :, None, :]
+
     def _qkv(self, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """h (..., H) → q (N, nh, T, hd), k and v (N, nkv, T, hd) with RoPE applied (T = 1 in decode).
-        cos and sin (N | 1, T, hd): ``rope_cos`` and ``rope_sin_signed`` at the positions."""
+        cos and sin (N | 1, T, 1, hd): ``rope_cos`` and ``rope_sin_signed`` at the positions."""
         spec = self.spec
         qkv = self._linear(h, layer.qkv, layer.qkv_bias)
         if qkv.dim() == 2:
             qkv = qkv.unsqueeze(1)  # decode: (B, 1, ...)
         n, width = qkv.shape[:2]
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads: (N | 1, T, 1, hd)
         q_end, k_end = spec.q_size, spec.q_size + spec.kv_size
         if layer.q_norm is None:  # q and k side by side in qkv: rotated together, one op each
             qk = qkv[..., :k_end].view(n, width, spec.num_heads + spec.num_kv_heads, spec.head_dim)
@@ -501,6 +504,8 @@ def rope_table(module: nn.Module, max_positions: int) -> tuple[torch.Tensor, tor
 
 
 def _activation(name: str):
+    if name == "silu":  # HF's SiLU module calls this: the same kernel, no module call per layer
+        return F.silu
     from transformers.activations import ACT2FN
 
     if name not in ACT2FN:

@@ -60,8 +60,7 @@ def hidden_states(model: EngineModel, tokens: torch.Tensor) -> torch.Tensor:
     forward without writing a cache (right padding never reaches a real position under the causal mask)."""
     spec = model.spec
     n_rows, width = tokens.shape
-    cos = model.rope_cos[:width].unsqueeze(0)  # (1, T, hd)
-    sin = model.rope_sin_signed[:width].unsqueeze(0)
+    cos, sin = model.rope_at(width)  # (1, T, 1, hd)
     x = model._embed(tokens)  # (P, T, H)
     for layer in model.layers:
         q, k, v = model._qkv(layer, rms_norm(x, layer.input_norm, spec.rms_norm_eps), cos, sin)
