@@ -42,7 +42,6 @@ def prepare(work: Path, args) -> tuple[str, str, str]:
 
 def command(model: str, train: str, test: str, sp: int, work: Path, args) -> list[str]:
     """verl's key names throughout; only the SP size differs between the two runs."""
-    rows_per_step = args.prompts * args.n
     return [
         sys.executable,
         "-m",
@@ -57,8 +56,8 @@ def command(model: str, train: str, test: str, sp: int, work: Path, args) -> lis
         f"actor_rollout_ref.rollout.n={args.n}",
         "actor_rollout_ref.rollout.ignore_eos=true",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={rows_per_step // 4}",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={rows_per_step // 4}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro_batch}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={args.micro_batch}",
         "actor_rollout_ref.actor.use_dynamic_bsz=false",
         "actor_rollout_ref.actor.reuse_update_log_probs=false",
         f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}",
@@ -81,7 +80,13 @@ def main() -> None:
     parser.add_argument("--response-length", type=int, default=2048)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--n", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=1,
+        help="rows per micro-batch per worker (1: one sequence a micro-batch, as the issue compares memory)",
+    )
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args()
