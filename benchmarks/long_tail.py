@@ -192,8 +192,13 @@ def teach(model_dir: Path, steps: int, seed: int = 0) -> dict:
 
 
 def build_model(work: Path, teach_steps: int) -> tuple[Path, dict]:
+    """The taught tiny model in ``work/model``; one already taught there for ``teach_steps`` (its
+    ``taught.json``: a kept ``--work``) is reused."""
     from hybridflow.models.tiny import build_tiny_model
 
+    marker = work / "model" / "taught.json"
+    if marker.exists() and json.loads(marker.read_text()).get("teach_steps") == teach_steps:
+        return work / "model", {**json.loads(marker.read_text()), "reused": True}
     rng = random.Random(7)
     texts = [
         _prompt(i, s) + " " + CALL + " value: " + v + " " + _answer(rng, s, v)
@@ -201,7 +206,9 @@ def build_model(work: Path, teach_steps: int) -> tuple[Path, dict]:
         for s, v in [(rng.choice(list(SIZES)), rng.choice(FRUIT))]
     ]
     model_dir = build_tiny_model(work / "model", texts=texts, max_position_embeddings=1024)
-    return model_dir, teach(model_dir, teach_steps)
+    taught = teach(model_dir, teach_steps)
+    marker.write_text(json.dumps(taught))
+    return model_dir, taught
 
 
 # ------------------------------------------------------------------ the runs
