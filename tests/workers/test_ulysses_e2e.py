@@ -11,8 +11,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
+from transformers import AutoModelForCausalLM
 
+from hybridflow.model_merger import merge_fsdp_checkpoint
 from hybridflow.trainer.config import load_config
 from hybridflow.trainer.main_ppo import run_ppo
 from tests.tiny_run import as_overrides, tiny_run_values
@@ -41,6 +44,7 @@ def _run(tmp: Path, model_dir: str, data, sp: int) -> dict[int, dict]:
             "custom_reward_function.path": str(scorer),
             "trainer.resume_mode": "disable",
             "trainer.total_training_steps": 3,
+            "trainer.save_freq": 3,
             "trainer.experiment_name": f"sp{sp}",
         },
     )
@@ -66,3 +70,15 @@ def test_grpo_with_sp2_repeats_the_sp1_run_step_by_step(
         for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm"):
             assert split[step][key] == pytest.approx(base[step][key], rel=1e-4, abs=1e-6), (step, key)
         assert split[step]["actor/grad_norm"] > 0
+    # SP changes no parameter's layout (FSDP2 shards over both workers at every sp; DCP files): the SP = 2
+    # checkpoint is the one SP = 1 writes, for the same world size, so either run resumes from the other's
+    actor_dirs = [tmp_path / run / "ckpt" / "global_step_3" / "actor" for run in ("sp1", "sp2")]
+    metas = [json.loads((actor / "checkpoint_meta.json").read_text()) for actor in actor_dirs]
+    assert metas[0]["world_size"] == metas[1]["world_size"] == 2
+    assert metas[0]["contents"] == metas[1]["contents"]
+    merged = [merge_fsdp_checkpoint(actor, actor.parent / "merged") for actor in actor_dirs]
+    weights = [AutoModelForCausalLM.from_pretrained(path).state_dict() for path in merged]
+    assert weights[0].keys() == weights[1].keys()
+    for name, value in weights[0].items():
+        assert value.shape == weights[1][name].shape, name
+        assert torch.allclose(value, weights[1][name], atol=1e-3), name  # 3 Adam steps of lr 1e-4 apart
