@@ -15,7 +15,7 @@ if [ "$WORKERS" -gt 0 ]; then
   set -- -n "$WORKERS" --dist loadfile "$@"
 fi
 # Which tests: "fast" (make test: all but the `slow` marker's), "slow" (make test-slow: faults injected
-# into whole running processes and clusters, timed runs compared, extra layouts of a whole run), "all". .ci/run runs fast, then slow.
+# into whole running processes and clusters, timed runs compared, whole runs resumed or compared), "all". .ci/run runs fast, then slow.
 case "${HYBRIDFLOW_TEST_TIER:-fast}" in
   fast) set -- -m "not slow" "$@" ;;
   slow) set -- -m slow "$@" ;;

@@ -194,6 +194,8 @@ def test_a_broken_weight_sync_stops_the_run_naming_the_replica(
     assert not logged.exists() or not logged.read_text().strip()  # step 1's sync failed: nothing logged
 
 
+# make test-slow: a second whole run resumed from the first one's checkpoint (resumes are the slow tier's)
+@pytest.mark.slow
 def test_a_resumed_run_continues_with_the_next_prompts(on_policy_runs, vllm_model_dir, arithmetic_data):
     """Checkpoints hold the groups trained and the parameter version: a run resumed at step 2 of the
     on-policy run (``on_policy_runs``' "fully_async") trains steps 3 and 4 on its prompts (and,

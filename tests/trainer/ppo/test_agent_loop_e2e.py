@@ -65,6 +65,9 @@ def groups(ray_session, tiny_model_dir, arithmetic_data, tmp_path_factory):
     built.shutdown()
 
 
+# make test-slow: two whole runs compared; the async agent loops train in the fast tier's trace,
+# verl-loop and reward-loop runs
+@pytest.mark.slow
 def test_async_samples_and_trains_like_sync(groups, tiny_model_dir, arithmetic_data, tmp_path):
     runs = {}
     for mode in ("sync", "async"):

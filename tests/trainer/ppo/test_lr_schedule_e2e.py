@@ -84,6 +84,8 @@ def test_constant_after_a_warmup_in_steps_reaches_the_critic(ppo_run):
     assert _lrs(ppo_run["metrics"], "critic/lr", range(1, 5)) == pytest.approx(expected, abs=1e-12)
 
 
+# make test-slow: a whole run resumed mid-schedule (resumes are the slow tier's)
+@pytest.mark.slow
 def test_a_run_resumed_mid_schedule_continues_the_same_rates(
     ppo_run, tiny_model_dir, arithmetic_data, tmp_path
 ):

@@ -80,6 +80,8 @@ def runs(ray_session, tiny_model_dir, arithmetic_data, tmp_path_factory):
 NOISE = 4 * math.sqrt(2 * 0.25 / 8)
 
 
+# make test-slow: two whole runs compared; TP itself is exact in tests/workers/test_tensor_parallel.py
+@pytest.mark.slow
 def test_tp_training_with_per_rank_generation_repeats_the_tp1_run(runs):
     base, tp = runs[(1, 1)], runs[(2, 1)]
     for key in ("critic/score/mean", "response_length/mean"):
