@@ -27,7 +27,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-def _run(tmp: Path, model_dir: str, data, sp: int) -> dict[int, dict]:
+def _run(tmp: Path, model_dir: str, data, sp: int, **extra) -> dict[int, dict]:
     tmp.mkdir(parents=True, exist_ok=True)
     scorer = tmp / "scorer.py"
     scorer.write_text(SCORER)
@@ -46,6 +46,7 @@ def _run(tmp: Path, model_dir: str, data, sp: int) -> dict[int, dict]:
             "trainer.total_training_steps": 3,
             "trainer.save_freq": 3,
             "trainer.experiment_name": f"sp{sp}",
+            **extra,
         },
     )
     config = load_config(as_overrides(values))
@@ -82,3 +83,29 @@ def test_grpo_with_sp2_repeats_the_sp1_run_step_by_step(
     for name, value in weights[0].items():
         assert value.shape == weights[1][name].shape, name
         assert torch.allclose(value, weights[1][name], atol=1e-3), name  # 3 Adam steps of lr 1e-4 apart
+
+
+def test_lora_under_sp2_samples_from_the_merged_adapter_and_keeps_the_reference_behind(
+    ray_session, tiny_model_dir, arithmetic_data, tmp_path
+):
+    """LoRA with SP = 2: the actor's split forward through the peft model gives the log-probs the engine
+    (the adapter merged into its weights) sampled with, and the reference (the same module, adapter off,
+    also split) falls behind the trained actor."""
+    runs = _run(
+        tmp_path / "lora_sp2",
+        tiny_model_dir,
+        arithmetic_data,
+        2,
+        **{
+            "actor_rollout_ref.model.lora_rank": 8,
+            "actor_rollout_ref.model.lora_alpha": 16,
+            "actor_rollout_ref.actor.optim.lr": 1e-2,
+            "actor_rollout_ref.rollout.calculate_log_probs": True,
+            "trainer.total_training_steps": 2,
+            "trainer.save_freq": -1,
+        },
+    )
+    assert sorted(runs) == [1, 2]
+    assert runs[1]["actor/grad_norm"] > 0
+    assert runs[2]["training/rollout_log_probs_diff_max"] < 1e-4  # the merged engine == the split peft actor
+    assert runs[2]["actor/kl_loss"] > 0  # the adapter-off reference stays behind
