@@ -39,8 +39,10 @@ test: install
 
 # The fault-injection tier (pytest marker `slow`, see pyproject.toml): kills, signals, full disks, hung
 # scorers and lost nodes against whole running processes, and timed runs compared. CI runs it after `make test`.
+# One test at a time: its timed placement comparison ranks runs that differ by ~10%, which a second
+# pytest process's load can reorder (measured 2026-11-27: passes alone, failed beside another test).
 test-slow: install
-	HYBRIDFLOW_TEST_TIER=slow bash scripts/run_tests.sh $(PY)
+	HYBRIDFLOW_TEST_TIER=slow HYBRIDFLOW_TEST_WORKERS=0 bash scripts/run_tests.sh $(PY)
 
 lint: install
 	$(VENV)/bin/ruff check hybridflow tests scripts
