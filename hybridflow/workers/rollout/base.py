@@ -152,7 +152,6 @@ def completions_output(
     prompts: DataProto,
     completions: list,
     response_length: int,
-    eos_ids: list[int],
     pad_id: int,
     with_log_probs: bool,
 ) -> DataProto:
@@ -162,9 +161,7 @@ def completions_output(
 
     ``response_mask`` is 1 on each completion's own tokens: the engine stops after the first stop token
     (EOS included), so this is the EOS-cut mask, and with ``rollout.ignore_eos`` it keeps the tokens
-    generated past an EOS (the whole set length, as verl's agent-loop rollout counts them).
-    ``eos_ids`` is kept for the signature's callers; the mask no longer needs it."""
-    del eos_ids
+    generated past an EOS (the whole set length, as verl's agent-loop rollout counts them)."""
     responses = torch.full((len(completions), response_length), pad_id, dtype=torch.long)
     log_probs = torch.zeros(len(completions), response_length, dtype=torch.float32)
     lengths = torch.zeros(len(completions), dtype=torch.long)

@@ -358,7 +358,6 @@ class EngineRollout(BaseRollout):
             prompts,
             completions,
             int(self.config.response_length),
-            eos_ids,
             pad_id,
             bool(self.config.get("calculate_log_probs")),
         )

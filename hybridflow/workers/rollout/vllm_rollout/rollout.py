@@ -179,7 +179,6 @@ class VLLMRollout(BaseRollout):
                     prompts,
                     completions,
                     int(self.config.response_length),
-                    eos_ids,
                     pad_id,
                     bool(self.config.get("calculate_log_probs")),
                 )
