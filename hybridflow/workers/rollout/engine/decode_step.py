@@ -65,6 +65,8 @@ class StepRows:
     lengths: list[int]  # (B,) tokens already in each row's cache slot
     seeds: list[tuple[int, int, int]] | None  # (B,) (seed, sample, position) per row; None: no seeded row
     seeded: list[bool] | None  # (B,) which rows draw from their seeded stream
+    # (B,) rotary position - cache position per row (image prompts' rope_delta); None: all 0
+    rope_offsets: list[int] | None = None
 
 
 class _Buffers:
@@ -77,6 +79,7 @@ class _Buffers:
         self.tokens, self.lengths = zeros(slots), zeros(slots)  # (S,)
         self.keys = zeros(3, slots)  # (3, S): seed, sample index, stream position
         self.seeded = zeros(slots, dtype=torch.bool)  # (S,)
+        self.rope_offsets = zeros(slots)  # (S,) added to lengths for the rotary positions
         self.log_probs = zeros(slots, dtype=torch.float32)  # (S,) the last step's
         self.out_tokens = zeros(steps, slots)  # (K, S): a burst's tokens, read back once
         self.out_log_probs = zeros(steps, slots, dtype=torch.float32)
@@ -115,6 +118,7 @@ class DecodeStep:
         self._buffers: _Buffers | None = None
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._signature: tuple | None = None
+        self._offsets = False  # whether the rows of this burst read RoPE at lengths + rope_offsets
         self._pool = None
         self.capture_error: str | None = None  # why capturing stopped (then the step runs uncaptured)
         self.stats = stats if stats is not None else {}
@@ -146,7 +150,7 @@ class DecodeStep:
         seeded = rows.seeds is not None and not params.greedy
         for i in range(steps):
             span = self._span(max(rows.lengths) + i + 1)
-            key = (size, span, params.choice_key()[:4], seeded)
+            key = (size, span, params.choice_key()[:4], seeded, self._offsets)
             graph = self._graph_or_none(key, params) if self._capturable(size) else None
             if graph is not None:
                 graph.replay()
@@ -172,7 +176,10 @@ class DecodeStep:
         and their log-probs, lengths and stream positions advanced. Static shapes, no host read."""
         b = self._buffers
         tokens, lengths = b.tokens[:size], b.lengths[:size]
-        logits = self.model.decode(tokens, lengths, self.cache, span=span, attention=self.attention)
+        rope = lengths + b.rope_offsets[:size] if self._offsets else None
+        logits = self.model.decode(
+            tokens, lengths, self.cache, span=span, attention=self.attention, rope_positions=rope
+        )
         uniforms = None
         if seeded:  # seeded rows from their streams, the others from the engine's generator
             drawn = 1.0 - torch.rand(size, generator=self.generator, device=tokens.device).double()
@@ -195,6 +202,10 @@ class DecodeStep:
         b, batch = self._buffers, len(rows.tokens)
         b.tokens[:batch].copy_(torch.tensor(rows.tokens), non_blocking=True)
         b.lengths[:batch].copy_(torch.tensor(rows.lengths), non_blocking=True)
+        self._offsets = rows.rope_offsets is not None
+        if self._offsets:
+            b.rope_offsets[:batch].copy_(torch.tensor(rows.rope_offsets), non_blocking=True)
+            b.rope_offsets[batch:].zero_()
         if rows.seeds is not None:
             b.keys[:, :batch].copy_(torch.tensor(rows.seeds, dtype=torch.long).T, non_blocking=True)
             b.seeded[:batch].copy_(torch.tensor(rows.seeded), non_blocking=True)
@@ -253,7 +264,7 @@ class DecodeStep:
         if graph is not None:
             return graph
         start = time.perf_counter()
-        size, span, _, seeded = key
+        size, span, _, seeded, _ = key
         b = self._buffers
         inputs = (b.tokens, b.lengths, b.keys, b.log_probs)
         saved = [t.clone() for t in inputs]

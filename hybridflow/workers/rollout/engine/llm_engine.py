@@ -51,6 +51,7 @@ from hybridflow.workers.rollout.engine.requests import (
     top_alternatives,
 )
 from hybridflow.workers.rollout.engine.sampling import SamplingParams, choose_tokens, seeded_uniforms
+from hybridflow.workers.rollout.engine.vision import image_prefill_inputs
 
 
 class LLMEngine:
@@ -129,9 +130,16 @@ class LLMEngine:
         self.generator.manual_seed(int(seed))
 
     def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, n: int = 1, request_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        n: int = 1,
+        request_id: str | None = None,
+        images: dict | None = None,
     ) -> EngineRequest:
-        """Queue a prompt for ``n`` samples; returns the request (its ``completions`` fill as they end)."""
+        """Queue a prompt for ``n`` samples; returns the request (its ``completions`` fill as they end).
+        ``images``: a vision-language model's ``{"pixel_values", "image_grid_thw"}`` for the prompt's
+        ``<|image_pad|>`` tokens (verl's ``multi_modal_inputs``; None or {} for a text prompt)."""
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise ValueError("empty prompt: the engine needs at least one prompt token")
@@ -139,6 +147,7 @@ class LLMEngine:
         outside = [t for t in prompt_ids if not 0 <= t < vocab]
         if outside:
             raise ValueError(f"token id {outside[0]} is outside the model's vocabulary [0, {vocab})")
+        images = self._check_images(prompt_ids, images, request_id)
         if params.seed is not None and not -(2**63) <= params.seed < 2**63:
             raise ValueError(f"seed {params.seed} does not fit in a signed 64-bit integer")
         max_len = self.cache.max_len  # max_model_len, or less where resume() sized the cache down
@@ -160,10 +169,29 @@ class LLMEngine:
             stop_ids=stop_ids,
             max_new_tokens=min(params.max_new_tokens, max_len - len(prompt_ids)),
             completions=[None] * int(n),
+            images=images,
         )
         with self._lock:
             self._waiting.append(request)
         return request
+
+    def _check_images(self, prompt_ids: list[int], images: dict | None, request_id) -> dict | None:
+        """``images`` (None for a text prompt) after checking that the prompt's image tokens are as many
+        as the images' features (else a ValueError naming the request)."""
+        vision = self.model.vision
+        name = f"request {request_id}: " if request_id else ""
+        if images and vision is None:
+            raise ValueError(f"{name}images given to a model without a vision tower")
+        if vision is None:
+            return None
+        tokens = sum(1 for t in prompt_ids if t == vision.image_token_id)
+        features = vision.image_tokens(images)
+        if tokens != features:
+            raise ValueError(
+                f"{name}the prompt has {tokens} image tokens but its images have {features} features "
+                "(image features and image tokens do not match)"
+            )
+        return images or None
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
@@ -362,12 +390,17 @@ class LLMEngine:
                 )
                 source.append(row)
         slots = torch.tensor([s.slot for s in new_seqs], device=device)
+        tokens, lengths_t = tokens.to(device), torch.tensor(lengths, device=device)
+        inputs = {}
+        if any(r.images for r in requests):  # image features in the embeddings, M-RoPE (.vision)
+            embeds, rope, deltas = image_prefill_inputs(
+                self.model, tokens, lengths_t, [r.images for r in requests]
+            )
+            inputs = {"embeds": embeds, "rope": rope}
+            for seq, row in zip(new_seqs, source, strict=True):
+                seq.rope_delta = int(deltas[row])
         logits = self.model.prefill(
-            tokens.to(device),
-            torch.tensor(lengths, device=device),
-            self.cache,
-            slots,
-            torch.tensor(source, device=device),
+            tokens, lengths_t, self.cache, slots, torch.tensor(source, device=device), **inputs
         )
         self._running.extend(new_seqs)
         self.stats["prefill_tokens"] += sum(lengths)
@@ -387,7 +420,12 @@ class LLMEngine:
         device = self.model.device
         tokens = torch.tensor([s.pending for s in running], device=device)
         lengths = torch.tensor([s.length for s in running], device=device)
-        logits = self.model.decode(tokens, lengths, self.cache, span=max(s.length for s in running) + 1)
+        rope = None
+        if any(s.rope_delta for s in running):  # image prompts' rows: rotary position = length + delta
+            rope = lengths + torch.tensor([s.rope_delta for s in running], device=device)
+        logits = self.model.decode(
+            tokens, lengths, self.cache, span=max(s.length for s in running) + 1, rope_positions=rope
+        )
         for seq in running:
             seq.length += 1
         self.stats["decode_steps"] += 1
@@ -433,6 +471,7 @@ class LLMEngine:
             lengths=[s.length for s in running],
             seeds=stream_keys(running) if any(seeded) else None,
             seeded=seeded,
+            rope_offsets=[s.rope_delta for s in running] if any(s.rope_delta for s in running) else None,
         )
         host_tokens, host_log_probs = self.decoder.run(rows, params, steps)
         self.stats["host_reads"] += 1

@@ -8,7 +8,9 @@ parameter at a time, so the hybrid engine never builds a second full state dict.
 
 Supported: the Llama family (Llama 2/3, SmolLM2, Mistral without sliding window), Qwen2/Qwen2.5
 (q/k/v bias) and Qwen3 (q/k RMSNorm), tied or untied embeddings, grouped-query attention, and any
-RoPE variant whose frequencies do not depend on the sequence length.
+RoPE variant whose frequencies do not depend on the sequence length; and Qwen2.5-VL, whose language
+model the engine holds this way while its vision tower runs as the HF module (:mod:`.vision`: image
+features in the prefill's embeddings, M-RoPE positions, decode at a per-row position offset).
 
 Shapes: B rows in the running batch, L cached positions, H hidden size, nh/nkv query/key-value heads,
 hd head dim, V vocabulary. With tensor-parallel generation (:mod:`.parallel`) nh, nkv, the MLP width and
@@ -37,9 +39,18 @@ from hybridflow.workers.rollout.engine.parallel import (
     sum_over_group,
     take_shard,
 )
+from hybridflow.workers.rollout.engine.vision import (
+    VisionTower,
+    is_vision_language,
+    language_config,
+    mrope_axes,
+    weight_prefix,
+)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_LAYER_NAME = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(.+)$")
+# a suppressed token's logit (the placeholders of a vision-language model; as vision_forward's)
+SUPPRESSED_LOGIT = -1e30
 
 
 @dataclass(frozen=True)
@@ -60,15 +71,25 @@ class ModelSpec:
     mlp_bias: bool
     qk_norm: bool
     tie_word_embeddings: bool
+    prefix: str = "model."  # where the decoder's parameters live (a vision-language model's language_model)
+    mrope_section: tuple[int, ...] | None = None  # a vision-language model's M-RoPE split of hd / 2
 
     @classmethod
     def from_hf(cls, config, parameter_names: list[str]) -> ModelSpec:
         """Read the architecture from ``config``; which biases exist from the parameter names (Qwen2
-        has q/k/v biases but none on o_proj, Llama's ``attention_bias`` puts one on all four)."""
-        layer0 = {
-            name[len("model.layers.0.") :] for name in parameter_names if name.startswith("model.layers.0.")
-        }
+        has q/k/v biases but none on o_proj, Llama's ``attention_bias`` puts one on all four). A
+        vision-language model (Qwen2.5-VL) is read from its ``text_config``, a Qwen2 language model."""
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        prefix = weight_prefix(config)
+        mrope = None
+        if is_vision_language(config):
+            config = language_config(config)
+            mrope = tuple(int(w) for w in config.rope_parameters["mrope_section"])
+        first = prefix + "layers.0."
+        layer0 = {name[len(first) :] for name in parameter_names if name.startswith(first)}
         model_type = getattr(config, "model_type", None)
+        if mrope is not None:
+            model_type = "qwen2"  # Qwen2.5-VL's language model is Qwen2's decoder (q/k/v biases)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise NotImplementedError(
                 f"the embedded engine serves {SUPPORTED_MODEL_TYPES}, not model_type={model_type!r}; "
@@ -93,7 +114,9 @@ class ModelSpec:
             o_bias="self_attn.o_proj.bias" in layer0,
             mlp_bias="mlp.gate_proj.bias" in layer0,
             qk_norm=model_type == "qwen3",
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            tie_word_embeddings=tied,
+            prefix=prefix,
+            mrope_section=mrope,
         )
 
     def sharded(self, size: int) -> ModelSpec:
@@ -204,6 +227,7 @@ class EngineModel:
         dtype,
         device,
         shard: GenerationShard = SINGLE,
+        hf_config=None,
     ) -> None:
         self.full_spec, self.shard = spec, shard
         self.spec = spec.sharded(shard.size)
@@ -218,6 +242,20 @@ class EngineModel:
         self.pack_weights = packing_available(self.device, dtype)
         self._packed: dict[int, torch.Tensor] | None = None
         self._pack_lock = threading.Lock()
+        # a vision-language model: its vision tower (HF module), M-RoPE axes, placeholders never sampled
+        self.vision: VisionTower | None = None
+        self.mrope_axes: torch.Tensor | None = None
+        self.suppressed: torch.Tensor | None = None  # (k,) token ids
+        if spec.mrope_section is not None:
+            if shard.parallel:
+                raise NotImplementedError(
+                    "tensor-parallel generation of a vision-language model is not implemented (the vision "
+                    "tower is not split): set rollout.tensor_model_parallel_size=1"
+                )
+            self.vision = VisionTower(hf_config, dtype, self.device)
+            self.mrope_axes = mrope_axes(spec.mrope_section, spec.head_dim)
+            ids = [self.vision.image_token_id, self.vision.video_token_id]
+            self.suppressed = torch.tensor([int(i) for i in ids if i is not None], device=self.device)
         self.allocate()
         self._shapes = {
             name: (end - start, *target.shape[1:]) for name, (target, start, end) in self._targets.items()
@@ -236,6 +274,8 @@ class EngineModel:
         self.layers = [LayerWeights(spec, dtype, device) for _ in range(spec.num_layers)]
         self.final_norm = torch.empty(spec.hidden_size, dtype=dtype, device=device)
         self.lm_head = self.embed if spec.tie_word_embeddings else torch.empty_like(self.embed)
+        if self.vision is not None:
+            self.vision.allocate()
         self._targets = self._build_targets()
 
     def release(self) -> None:
@@ -243,6 +283,8 @@ class EngineModel:
         self.embed = self.lm_head = self.final_norm = None
         self.layers, self._targets = [], {}
         self._packed = None
+        if self.vision is not None:
+            self.vision.release()
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -256,10 +298,11 @@ class EngineModel:
     ) -> EngineModel:
         """Allocate an engine for ``module``'s architecture (weights uninitialised); a peft-wrapped
         module counts as its base model."""
-        spec = ModelSpec.from_hf(unwrap_peft(module).config, hf_parameter_names(module))
+        config = unwrap_peft(module).config
+        spec = ModelSpec.from_hf(config, hf_parameter_names(module))
         cos, sin = rope_table(unwrap_peft(module), max_positions)
         device = device or _module_device(module)
-        return cls(spec, cos, sin, dtype or torch.float32, device, shard)
+        return cls(spec, cos, sin, dtype or torch.float32, device, shard, hf_config=config)
 
     @classmethod
     def from_hf_module(
@@ -280,16 +323,18 @@ class EngineModel:
         return engine
 
     def _build_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
-        spec = self.spec
+        spec, prefix = self.spec, self.spec.prefix
         targets = {
-            "model.embed_tokens.weight": (self.embed, 0, spec.vocab_size),
-            "model.norm.weight": (self.final_norm, 0, spec.hidden_size),
+            f"{prefix}embed_tokens.weight": (self.embed, 0, spec.vocab_size),
+            f"{prefix}norm.weight": (self.final_norm, 0, spec.hidden_size),
         }
         if not spec.tie_word_embeddings:
             targets["lm_head.weight"] = (self.lm_head, 0, spec.vocab_size)
         for i, layer in enumerate(self.layers):
             for suffix, target in layer.targets(spec).items():
-                targets[f"model.layers.{i}.{suffix}"] = target
+                targets[f"{prefix}layers.{i}.{suffix}"] = target
+        if self.vision is not None:
+            targets.update(self.vision.targets())
         return targets
 
     @property
@@ -366,9 +411,12 @@ class EngineModel:
         cache,
         span: int | None = None,
         attention: str = "span",
+        rope_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One new token per row. tokens, lengths (B,): the token at position ``lengths[b]`` of row b
         (rows are the first B cache slots). Writes its K/V and returns fp32 logits (B, V).
+        ``rope_positions`` (B,): the rotary position of each token when it is not ``lengths`` (an
+        image prompt's row: ``lengths + rope_delta``, :mod:`.vision`).
         ``attention`` (:mod:`.attention`): ``"span"`` reads the first ``span`` positions of each row
         (``span``: at least ``max(lengths) + 1``; None reads it from ``lengths``, which waits for the
         device); ``"flex"`` reads each row's valid keys of the whole cache (``span`` unused)."""
@@ -384,8 +432,9 @@ class EngineModel:
             hidden = span_mask(lengths, span)
             attend = lambda q, k, v, lengths: span_attention(q, k, v, lengths, hidden)  # noqa: E731
         write_at = cache.flat_positions(lengths)  # (B * nkv,) rows of the flattened cache
-        cos = self.rope_cos[lengths][:, None, None, :]  # (B, 1, 1, hd): one query, every head
-        sin = self.rope_sin_signed[lengths][:, None, None, :]
+        at = lengths if rope_positions is None else rope_positions
+        cos = self.rope_cos[at][:, None, None, :]  # (B, 1, 1, hd): one query, every head
+        sin = self.rope_sin_signed[at][:, None, None, :]
         x = self._embed(tokens)  # (B, H)
         for layer, (k_cache, v_cache) in zip(self.layers, cache.layers, strict=True):
             q, k, v = self._qkv(layer, rms_norm(x, layer.input_norm, spec.rms_norm_eps), cos, sin)
@@ -396,16 +445,25 @@ class EngineModel:
         return self._logits(rms_norm(x, self.final_norm, spec.rms_norm_eps))
 
     def prefill(
-        self, tokens: torch.Tensor, lengths: torch.Tensor, cache, slots: torch.Tensor, source: torch.Tensor
+        self,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        cache,
+        slots: torch.Tensor,
+        source: torch.Tensor,
+        embeds: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Prompts from position 0. tokens (P, T) right-padded, lengths (P,); the K/V of prompt
         ``source[i]`` are written to cache slot ``slots[i]`` (S,), so n samples share one prefill.
         Returns fp32 logits (P, V) at each prompt's last token. Right padding never leaks into a real
-        token under the causal mask, so no padding mask is needed."""
+        token under the causal mask, so no padding mask is needed. Image prompts
+        (:func:`.vision.image_prefill_inputs`): ``embeds`` (P, T, H) instead of the tokens' embeddings,
+        ``rope`` cos and signed sin (P, T, 1, hd) instead of positions ``0..T-1``."""
         spec = self.spec
         n_prompts, width = tokens.shape
-        cos, sin = self.rope_at(width)  # (1, T, 1, hd)
-        x = self._embed(tokens)  # (P, T, H)
+        cos, sin = self.rope_at(width) if rope is None else rope  # (1 | P, T, 1, hd)
+        x = self._embed(tokens) if embeds is None else embeds  # (P, T, H)
         for layer, (k_cache, v_cache) in zip(self.layers, cache.layers, strict=True):
             q, k, v = self._qkv(layer, rms_norm(x, layer.input_norm, spec.rms_norm_eps), cos, sin)
             k_cache[slots, :, :width] = k[source]
@@ -469,8 +527,13 @@ class EngineModel:
         return sum_over_group(x, self.shard)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """fp32 logits (..., V) over the whole vocabulary (gathered from the ranks' slices)."""
-        return gather_last_dim(self._linear(h, self.lm_head).float(), self.shard)
+        """fp32 logits (..., V) over the whole vocabulary (gathered from the ranks' slices); a
+        vision-language model's image/video placeholders at :data:`SUPPRESSED_LOGIT` (never sampled,
+        as the actor's log-probs exclude them: :mod:`hybridflow.workers.vision_forward`)."""
+        logits = gather_last_dim(self._linear(h, self.lm_head).float(), self.shard)
+        if self.suppressed is not None:
+            logits.index_fill_(-1, self.suppressed, SUPPRESSED_LOGIT)
+        return logits
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -491,6 +554,7 @@ def rope_table(module: nn.Module, max_positions: int) -> tuple[torch.Tensor, tor
     """cos and sin (max_positions, hd) in fp32 from the model's own rotary embedding, so every RoPE
     variant it implements (linear, llama3, yarn, ...) comes out exactly as in its forward."""
     backbone = getattr(module, "model", module)
+    backbone = getattr(backbone, "language_model", backbone)  # a vision-language model's decoder
     rotary = getattr(backbone, "rotary_emb", None)
     if rotary is None:
         raise NotImplementedError(f"{type(module).__name__} has no rotary_emb; the engine needs RoPE")

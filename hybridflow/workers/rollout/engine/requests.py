@@ -52,6 +52,8 @@ class EngineRequest:
     # stream(): (sample, token, log-prob, top alternatives or None) per token, then the result
     listener: asyncio.Queue | None = None
     error: BaseException | None = None
+    # a vision-language prompt's images: pixel_values (patches, D), image_grid_thw (n, 3) (.vision)
+    images: dict | None = None
 
     @property
     def done(self) -> bool:
@@ -71,6 +73,7 @@ class RunningSequence:
     slot: int
     length: int
     pending: int = -1
+    rope_delta: int = 0  # rotary position - cache position of its next tokens (image prompts: <= 0)
     token_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     top_log_probs: list[list[tuple[int, float]]] = field(default_factory=list)

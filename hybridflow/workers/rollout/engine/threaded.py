@@ -53,8 +53,14 @@ def generate_threaded(
             torch.set_num_threads(1)
             engine = engines[index]
             engine.reseed(seed + index)
-            # a group may carry its own params (a seeded sampling stream): (prompt, n[, params])
-            requests = [engine.add_request(g[0], g[2] if len(g) > 2 else params, g[1]) for g in shards[index]]
+            # a group may carry its own params (a seeded sampling stream) and images:
+            # (prompt, n[, params[, images]])
+            requests = [
+                engine.add_request(
+                    g[0], g[2] if len(g) > 2 else params, g[1], images=g[3] if len(g) > 3 else None
+                )
+                for g in shards[index]
+            ]
             while engine.has_unfinished():
                 engine.step()
             raise_failed(requests)

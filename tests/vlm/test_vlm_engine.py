@@ -1,0 +1,199 @@
+"""The embedded engine with images (Qwen2.5-VL): the language model in the engine's fused layout, the
+vision tower as the HF module, image features in the prefill's embeddings, M-RoPE positions, and decode
+at ``cache_len + rope_delta``. References: transformers' own rotary embedding, ``generate`` (greedy)
+and forward on the same image prompts, and the actor's recompute (vision_forward) of the engine
+rollout's samples, before and after a weight sync that changes the vision tower."""
+
+import copy
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from hybridflow import keys
+from hybridflow.models.loading import load_tokenizer
+from hybridflow.protocol import DataProto
+from hybridflow.utils.dataset import RLHFDataset, collate_fn
+from hybridflow.utils.dataset.multimodal import load_processor
+from hybridflow.workers.rollout.engine import EngineModel, LLMEngine, SamplingParams
+from hybridflow.workers.rollout.engine.vision import mrope_cos_sin
+
+PROMPT_KEYS = [keys.INPUT_IDS, keys.ATTENTION_MASK, keys.POSITION_IDS]
+
+
+@pytest.fixture(scope="module")
+def vlm(vlm_model_dir, visual_data):
+    """``(HF model with larger random weights, tokenizer, dataset)``: the tiny model's own init makes
+    every greedy token the same; weights of std 0.3 make tokens depend on the image and the positions."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = load_tokenizer(vlm_model_dir)
+    dataset = RLHFDataset(
+        visual_data[0],
+        tokenizer,
+        {"max_prompt_length": 32},
+        processor=load_processor(vlm_model_dir, tokenizer),
+    )
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(vlm_model_dir)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0, 0.3, generator=generator)
+    return model, tokenizer, dataset
+
+
+def _image_prompts(model, tokenizer, dataset):
+    """Three one-image prompts, a two-image prompt and a text prompt: ``[(ids, images or {})]``."""
+    prompts = []
+    for i in range(3):
+        row = dataset[i]
+        prompts.append((row["input_ids"][row["attention_mask"].bool()].tolist(), row["multi_modal_inputs"]))
+    start, end = (tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>"))
+    second = [start] + [model.config.image_token_id] * 4 + [end]
+    two_ids = prompts[0][0] + tokenizer.encode(" and ") + second + tokenizer.encode(" which?")
+    two = {k: torch.cat([prompts[0][1][k], prompts[1][1][k]]) for k in ("pixel_values", "image_grid_thw")}
+    return [*prompts, (two_ids, two), (tokenizer.encode("what colour is the square?"), {})]
+
+
+def _hf_inputs(model, ids: list[int], images: dict, prompt_len: int) -> dict:
+    """HF's image inputs for ``ids`` (its first ``prompt_len`` tokens the prompt)."""
+    if not images:
+        return {}
+    token_type = torch.zeros(1, len(ids), dtype=torch.int)
+    token_type[0, :prompt_len] = torch.tensor(ids[:prompt_len]) == model.config.image_token_id
+    return {**{k: images[k] for k in ("pixel_values", "image_grid_thw")}, "mm_token_type_ids": token_type}
+
+
+def test_mrope_cos_sin_equals_transformers_rotary(vlm):
+    model, _, _ = vlm
+    engine = EngineModel.from_hf_module(model, 64)
+    positions = torch.randint(0, 64, (3, 2, 7), generator=torch.Generator().manual_seed(0))
+    cos, sin = mrope_cos_sin(engine.rope_cos, engine.rope_sin, positions, engine.mrope_axes)
+    hf_cos, hf_sin = model.model.language_model.rotary_emb(torch.zeros(1), positions)
+    assert torch.equal(cos[:, :, 0], hf_cos) and torch.equal(sin[:, :, 0], hf_sin)
+
+
+def test_engine_equals_hf_generate_and_forward_on_a_batch_mixing_image_and_text_rows(vlm):
+    model, tokenizer, dataset = vlm
+    config = model.config
+    prompts = _image_prompts(model, tokenizer, dataset)
+    engine_model = EngineModel.from_hf_module(model, 128)
+    greedy = SamplingParams(max_new_tokens=10, do_sample=False, ignore_eos=True)
+    outputs = {}
+    # the static decode step, a burst of 4, and the eager step (a top-log-prob request forces it)
+    for name, steps, params in [
+        ("static", 1, greedy),
+        ("burst", 4, greedy),
+        ("eager", 1, SamplingParams(max_new_tokens=10, do_sample=False, ignore_eos=True, logprobs=1)),
+    ]:
+        engine = LLMEngine(engine_model, 8, 128, [tokenizer.eos_token_id], decode_steps_per_sync=steps)
+        requests = [engine.add_request(ids, params, images=images) for ids, images in prompts]
+        while engine.has_unfinished():
+            engine.step()
+        outputs[name] = [r.completions[0] for r in requests]
+        assert engine.stats["eager_steps" if name == "eager" else "static_steps"] > 0
+    for name in ("burst", "eager"):
+        assert [c.token_ids for c in outputs[name]] == [c.token_ids for c in outputs["static"]]
+    suppressed = [config.image_token_id, config.video_token_id]
+    for (ids, images), completion in zip(prompts, outputs["static"], strict=True):
+        prompt = torch.tensor([ids])
+        hf = model.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=10,
+            do_sample=False,
+            suppress_tokens=suppressed,
+            eos_token_id=None,
+            pad_token_id=0,
+            **_hf_inputs(model, ids, images, len(ids)),
+        )
+        assert completion.token_ids == hf[0, len(ids) :].tolist()
+        sequence = ids + completion.token_ids
+        with torch.no_grad():
+            logits = model(
+                input_ids=torch.tensor([sequence]), **_hf_inputs(model, sequence, images, len(ids))
+            ).logits.float()
+        logits[..., suppressed] = -1e30
+        response = torch.tensor(completion.token_ids)
+        reference = torch.log_softmax(logits[0, len(ids) - 1 : -1], -1).gather(-1, response[:, None])[:, 0]
+        assert (reference - torch.tensor(completion.log_probs)).abs().max() < 1e-5
+    # the image prompts decode at an offset (M-RoPE compresses an image's positions); the text one not
+    deltas = LLMEngine(engine_model, 8, 128, [])
+    for ids, images in prompts:
+        deltas.add_request(ids, SamplingParams(max_new_tokens=8), images=images)
+    deltas.step()
+    assert [s.rope_delta for s in deltas._running] == [-2, -2, -2, -4, 0]
+
+
+def test_image_tokens_without_their_features_fail_the_request_by_name(vlm):
+    model, tokenizer, dataset = vlm
+    ids, images = _image_prompts(model, tokenizer, dataset)[0]
+    engine = LLMEngine(EngineModel.from_hf_module(model, 64), 2, 64, [])
+    with pytest.raises(ValueError, match="request r7: the prompt has 4 image tokens but its images have 0"):
+        engine.add_request(ids, SamplingParams(), request_id="r7")
+    with pytest.raises(ValueError, match="has 0 image tokens but its images have 4"):
+        engine.add_request(tokenizer.encode("no image here"), SamplingParams(), images=images)
+
+
+def test_engine_rollout_log_probs_equal_the_actors_before_and_after_a_vision_tower_sync(vlm):
+    from hybridflow.trainer.config import load_config
+    from hybridflow.workers.actor.dp_actor import response_log_probs
+    from hybridflow.workers.fsdp_utils import apply_fsdp2, build_device_mesh
+    from hybridflow.workers.rollout.engine_rollout import EngineRollout
+    from tests.utils.checkpoint.fsdp_toy import gloo_group
+
+    model, tokenizer, dataset = vlm
+    batch = DataProto.from_single_dict(collate_fn([dataset[i] for i in range(4)])).repeat(2, interleave=True)
+    prompts = batch.select(batch_keys=PROMPT_KEYS, non_tensor_batch_keys=[keys.MULTI_MODAL_INPUTS, "index"])
+    prompts.meta_info = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    values = {"data.max_prompt_length": 32, "data.max_response_length": 6}
+    overrides = [
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "actor_rollout_ref.rollout.decode_threads=2",
+    ]
+    config = load_config([f"{k}={v}" for k, v in values.items()] + overrides)
+    OmegaConf.resolve(config)
+    with gloo_group():
+        actor = apply_fsdp2(copy.deepcopy(model), build_device_mesh(1, "cpu"), OmegaConf.create({}))
+        rollout = EngineRollout(actor, config.actor_rollout_ref.rollout, rank=0)
+
+        def rolled_out():
+            output = rollout.generate_sequences(prompts)
+            output.non_tensor_batch[keys.MULTI_MODAL_INPUTS] = prompts.non_tensor_batch[
+                keys.MULTI_MODAL_INPUTS
+            ]
+            with torch.no_grad():
+                recomputed, _ = response_log_probs(actor, output, temperature=1.0)
+            mask = output.batch[keys.RESPONSE_MASK].bool()
+            assert (recomputed - output.batch[keys.ROLLOUT_LOG_PROBS])[mask].abs().max() < 1e-5
+            return output.batch[keys.ROLLOUT_LOG_PROBS]
+
+        before = rolled_out()
+        with torch.no_grad():  # a trained vision tower: its weights must reach the engine too
+            for name, param in actor.named_parameters():
+                if name.startswith("model.visual.") and param.dim() == 2:
+                    param.mul_(1.5)
+        rollout.update_weights()
+        after = rolled_out()
+        assert not torch.allclose(before, after)
+
+
+def test_engine_rollout_accepted_for_qwen2_5_vl_and_refused_for_another_vision_type(vlm_model_dir, tmp_path):
+    import json
+    import shutil
+
+    from hybridflow.trainer.config import load_config
+    from hybridflow.trainer.config.vision_honesty import vision_problems
+
+    engine = [f"actor_rollout_ref.model.path={vlm_model_dir}", "actor_rollout_ref.rollout.name=engine"]
+    assert vision_problems(load_config(engine)) == []
+    other = tmp_path / "qwen2_vl"
+    shutil.copytree(vlm_model_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "qwen2_vl"}))
+    problems = vision_problems(load_config([f"actor_rollout_ref.model.path={other}", engine[1]]))
+    assert any(
+        "engine runs the vision tower and M-RoPE of qwen2_5_vl only: set rollout.name=hf" in p
+        for p in problems
+    )
