@@ -120,7 +120,7 @@ def sft_warm_start(
     return {"sft_steps": steps, "sft_s": round(time.time() - start, 1), "sft_final_loss": losses[-1]}
 
 
-def grpo(model_dir: str, data: dict, out: Path, minutes: float, test_freq: int, threads: int) -> Path:
+def grpo(model_dir: str, data: dict, out: Path, args: argparse.Namespace) -> Path:
     reward = Path(__file__).resolve().parents[2] / "hybridflow" / "tasks" / "visual.py"
     overrides = [
         "algorithm.adv_estimator=grpo",
@@ -137,20 +137,29 @@ def grpo(model_dir: str, data: dict, out: Path, minutes: float, test_freq: int, 
         "actor_rollout_ref.actor.ppo_mini_batch_size=32",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=128",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=128",
-        "actor_rollout_ref.actor.optim.lr=1e-3",
+        f"actor_rollout_ref.actor.optim.lr={args.lr}",
+        f"actor_rollout_ref.actor.entropy_coeff={args.entropy_coeff}",
+        f"actor_rollout_ref.actor.grad_clip={args.grad_clip}",
         "trainer.total_training_steps=100000",
-        f"trainer.time_budget_minutes={minutes}",
-        f"trainer.test_freq={test_freq}",
+        f"trainer.time_budget_minutes={args.grpo_minutes}",
+        f"trainer.test_freq={args.test_freq}",
         "trainer.val_before_train=true",
         "trainer.logger=[console,jsonl]",
         "trainer.progress_bar=false",
         "trainer.plot_curves=false",
         "trainer.resume_mode=disable",
         f"trainer.default_local_dir={out / 'ckpt'}",
-        f"trainer.num_threads_per_worker={threads}",
+        f"trainer.num_threads_per_worker={args.threads}",
         "trainer.project_name=vlm_example",
         "trainer.experiment_name=visual_grpo",
     ]
+    if args.kl_coef > 0:  # verl's KL loss against the reference (the SFT model)
+        overrides += [
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            f"actor_rollout_ref.actor.kl_loss_coef={args.kl_coef}",
+            "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        ]
+    overrides += args.override  # last, so they win
     subprocess.run([sys.executable, "-m", "hybridflow.trainer.main_ppo", *overrides], check=True, cwd=out)
     return out / "outputs" / "vlm_example" / "visual_grpo" / "metrics.jsonl"
 
@@ -159,7 +168,13 @@ def summarise(metrics_file: Path, chance: float) -> None:
     records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     key, blank = f"val-core/{SOURCE}/reward/mean@1", f"val-core/{BLANK_SOURCE}/reward/mean@1"
     curve = [
-        {"step": r["step"], "acc": r[key], "blank_acc": r.get(blank), "s": r.get("timing_s/elapsed")}
+        {
+            "step": r["step"],
+            "acc": r[key],
+            "blank_acc": r.get(blank),
+            "entropy": None if "actor/entropy" not in r else round(r["actor/entropy"], 3),
+            "s": r.get("timing_s/elapsed"),
+        }
         for r in records
         if key in r
     ]
@@ -192,19 +207,29 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--train-per-answer", type=int, default=60)
     parser.add_argument("--test-per-answer", type=int, default=12)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--kl-coef", type=float, default=0.0, help="> 0: verl's low_var_kl KL loss")
+    parser.add_argument("--entropy-coeff", type=float, default=0.0)
+    parser.add_argument("--grad-clip", type=float, default=1.0)
+    parser.add_argument("--sft-dir", default=None, help="reuse this SFT model (skip the build and SFT)")
+    parser.add_argument(
+        "--override", action="append", default=[], help="a main_ppo key=value override (repeatable)"
+    )
     args = parser.parse_args()
     from hybridflow.models.tiny_vlm import build_tiny_vlm
     from hybridflow.tasks.visual import QUESTION_TYPES, chance
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    base = build_tiny_vlm(
-        out / "base", hidden_size=128, num_layers=4, intermediate_size=352, vision_hidden_size=64
-    )
     data = write_data(out, args.train_per_answer, args.test_per_answer)
-    sft = sft_warm_start(str(base), data["train"], out / "sft", args.sft_minutes, args.teacher_accuracy)
-    print(json.dumps({"metric": "vlm_sft", **sft}), flush=True)
-    metrics = grpo(str(out / "sft"), data, out, args.grpo_minutes, args.test_freq, args.threads)
+    sft_dir = Path(args.sft_dir).resolve() if args.sft_dir else out / "sft"
+    if not args.sft_dir:
+        base = build_tiny_vlm(
+            out / "base", hidden_size=128, num_layers=4, intermediate_size=352, vision_hidden_size=64
+        )
+        sft = sft_warm_start(str(base), data["train"], sft_dir, args.sft_minutes, args.teacher_accuracy)
+        print(json.dumps({"metric": "vlm_sft", **sft}), flush=True)
+    metrics = grpo(str(sft_dir), data, out, args)
     types = [q.name for q in QUESTION_TYPES for _ in q.answers]  # the balanced split's rows, per answer
     summarise(metrics, chance(types))
 

@@ -3,7 +3,8 @@
 Each image is ``IMAGE_SIZE x IMAGE_SIZE`` (56) pixels on black, cut into a 2 x 2 grid of 28-pixel cells
 (with Qwen2-VL's 14-pixel patches merged 2 x 2, one image token per cell: 4 tokens per image). A shape
 is a filled 20-pixel square placed at a random offset inside its cell. Three question types, the same
-question text for every image of a type, so the text alone never tells the answer:
+question text for every image of a type, so the text alone never tells the answer; the text lists the
+type's allowed answers (fair, and it keeps a model that cannot see anything answering with a valid word):
 
 =========  ============================================  =====================  ======
 type       image                                         answers                chance
@@ -43,9 +44,9 @@ class QuestionType:
 
 
 QUESTION_TYPES = (
-    QuestionType("colour", "What colour is the square?", tuple(COLOURS)),
-    QuestionType("count", "How many squares are there?", ("one", "two", "three")),
-    QuestionType("side", "Is the square on the left or the right?", ("left", "right")),
+    QuestionType("colour", "What colour is the square? Answer red, green, blue or yellow.", tuple(COLOURS)),
+    QuestionType("count", "How many squares are there? Answer one, two or three.", ("one", "two", "three")),
+    QuestionType("side", "Is the square on the left or the right? Answer left or right.", ("left", "right")),
 )
 TYPES = {q.name: q for q in QUESTION_TYPES}
 

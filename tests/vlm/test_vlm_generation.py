@@ -20,7 +20,7 @@ def _generation_config(model_dir, data_path, output, **extra):
         "data.n_samples": 2,
         "data.batch_size": 4,
         "rollout.name": "hf",
-        "rollout.prompt_length": 24,
+        "rollout.prompt_length": 32,
         "rollout.response_length": 3,
         **extra,
     }

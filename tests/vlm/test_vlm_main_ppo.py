@@ -30,7 +30,7 @@ def test_verl_command_line_trains_two_grpo_steps_on_images(
         "data.train_files": train,
         "data.val_files": test,
         "data.train_batch_size": 4,
-        "data.max_prompt_length": 24,
+        "data.max_prompt_length": 32,
         "data.max_response_length": 4,
         "actor_rollout_ref.rollout.n": 2,
         "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
@@ -78,7 +78,7 @@ def _merged_model_generates_from_images(checkpoint, target, test_file):
     tokenizer = load_tokenizer(target)
     processor = load_processor(target, tokenizer)
     assert processor is not None  # preprocessor_config.json travelled with the checkpoint
-    item = RLHFDataset(test_file, tokenizer, {"max_prompt_length": 24}, processor=processor)[0]
+    item = RLHFDataset(test_file, tokenizer, {"max_prompt_length": 32}, processor=processor)[0]
     ids = torch.tensor([item["raw_prompt_ids"]])
     images = item["multi_modal_inputs"]
     output = model.generate(
