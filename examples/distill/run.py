@@ -48,7 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--minutes", type=float, default=10.0, help="wall clock of each student run")
     parser.add_argument("--teacher-sft-steps", type=int, default=1200)
-    parser.add_argument("--student-sft-steps", type=int, default=450)
+    parser.add_argument(
+        "--student-sft-steps", type=int, default=250, help="few: a student whose samples are rarely right"
+    )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--prompts-per-step", type=int, default=32)
     parser.add_argument("--distill-n", type=int, default=2, help="responses per prompt when distilling")
@@ -98,6 +100,7 @@ def build_models(args, out: Path, which: tuple[str, ...] = ("teacher", "student"
         seconds = fine_tune(base, data, out / name / "sft_model", steps, args.seed)
         accuracy = greedy_accuracy(out / name / "sft_model", test)
         line = {"model": name, "sft_steps": steps, "sft_s": round(seconds, 1), "greedy_accuracy": accuracy}
+        line.update(sample_accuracy(out / name / "sft_model", test))
         print(json.dumps(line), flush=True)
 
 
@@ -180,6 +183,45 @@ def greedy_accuracy(model_dir: Path, test_file: Path) -> float:
             a.strip() == r["reward_model"]["ground_truth"] for a, r in zip(answers, chunk, strict=True)
         )
     return right / len(rows)
+
+
+def sample_accuracy(model_dir: Path, test_file: Path, n: int = 8, limit: int = 100) -> dict:
+    """How much signal GRPO would get from this model: ``n`` samples at temperature 1 (the rollout's) for
+    each of the first ``limit`` held-out problems; the fraction of samples that are right and the
+    fraction of groups of ``n`` with at least one right answer (a group with none has zero advantage)."""
+    import pyarrow.parquet as pq
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.models.loading import load_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer(str(model_dir))
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rows = pq.read_table(test_file).to_pylist()[:limit]
+    right, groups_hit = 0, 0
+    for first in range(0, len(rows), 25):
+        chunk = rows[first : first + 25]
+        texts = [
+            tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
+            for r in chunk
+        ]
+        inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            output = model.generate(
+                **inputs, max_new_tokens=6, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                num_return_sequences=n, pad_token_id=tokenizer.pad_token_id,
+            )  # fmt: skip
+        answers = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+        for i, r in enumerate(chunk):
+            hits = sum(a.strip() == r["reward_model"]["ground_truth"] for a in answers[i * n : (i + 1) * n])
+            right += hits
+            groups_hit += hits > 0
+    return {
+        "sample_accuracy": round(right / (n * len(rows)), 3),
+        "groups_with_a_right_answer": groups_hit / len(rows),
+    }
 
 
 def _free_port() -> int:
