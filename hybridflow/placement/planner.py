@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from hybridflow.placement.cost_model import CostModel, Workload, step_seconds
 from hybridflow.placement.memory import activation_bytes, choose_sequence_parallel, usable_bytes
 from hybridflow.placement.spec import Placement, batch_problems
-from hybridflow.utils.roles import roles_in_use, update_computes_old_log_probs
+from hybridflow.utils.roles import reward_model_worker, roles_in_use, update_computes_old_log_probs
 from hybridflow.utils.ulysses_rules import SP_KEY, SP_SECTIONS, head_split_problem, role_sp_size
 
 
@@ -256,7 +256,7 @@ def workload_from_config(config: DictConfig) -> Workload:
         rows=rows,
         prompt_length=int(config.data.max_prompt_length),
         response_length=int(config.data.max_response_length),
-        reward_model=bool(config.reward_model.enable),
+        reward_model=reward_model_worker(config),
         old_log_prob=not update_computes_old_log_probs(config),
         shapes=shapes,
         micro_rows=micro_rows,

@@ -22,7 +22,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's max positions")
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    parser.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=None,
+        help="KV budget (default 1.0 without --gpu-memory-utilization)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="KV budget: this fraction of free memory (RAM on CPU)",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192, help="padded prompt tokens per prefill"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     parser.add_argument(
         "--api-key",
@@ -76,7 +90,7 @@ def run_vllm(args: argparse.Namespace) -> None:
         command += ["--max-model-len", str(args.max_model_len)]
     if args.api_key:  # vLLM's server guards /v1/* with the same bearer key
         command += ["--api-key", args.api_key]
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(args.kv_cache_memory_gb)))
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(args.kv_cache_memory_gb or 1.0)))
     os.execv(sys.executable, command)
 
 
@@ -109,8 +123,12 @@ def build_service(args: argparse.Namespace):
     settings = {
         "max_model_len": max_len,
         "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_memory_gb": args.kv_cache_memory_gb,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
     }
+    if args.kv_cache_memory_gb is None and args.gpu_memory_utilization is None:
+        settings["kv_cache_memory_gb"] = 1.0
     engine = build_llm_engine(model, OmegaConf.create(settings))
     engine.resume()  # a server keeps its cache
     engine.step_in_thread = True  # the event loop keeps answering (/health) while the engine steps

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP app over hybridflow's engine (FastAPI; ``python -m hybridflow.serve``).
 
 Endpoints: ``GET /health``, ``GET /stats`` (the engine's counters), ``GET /v1/models``,
+``POST /sleep`` / ``/wake_up`` / ``GET /is_sleeping`` (:mod:`.sleep`),
 ``POST /v1/chat/completions`` (n, temperature, top_p, max_tokens / max_completion_tokens, stop, seed,
 logprobs / top_logprobs, tools → ``tool_calls`` parsed from Hermes blocks, streaming with log-probs and
 tool calls) and ``POST /v1/completions`` (text or token prompts, logprobs). Every request is one engine
@@ -61,6 +62,7 @@ class EngineService:
         self.limits = limits or ServerLimits()
         self.vocab_size = int(engine.model.full_spec.vocab_size)
         self.in_flight = 0  # engine requests admitted by :meth:`admitted` and not yet answered
+        self.sleeping = False  # POST /sleep released the KV cache: requests get 503 until /wake_up (.sleep)
 
     # ------------------------------------------------------------------ request checks
     def check_model(self, name: str) -> None:
@@ -78,7 +80,15 @@ class EngineService:
     @contextlib.contextmanager
     def admitted(self, prompts: int):
         """Hold ``prompts`` places among the engine requests in flight, or answer 503 with Retry-After
-        when the cache slots and the waiting list (``max_waiting``) beyond them are all taken."""
+        when the cache slots and the waiting list (``max_waiting``) beyond them are all taken, or while
+        the server sleeps (:mod:`.sleep`)."""
+        if self.sleeping:
+            raise APIError(
+                503,
+                "The server is asleep (its KV cache released); retry after it wakes.",
+                kind="server_busy",
+                headers={"Retry-After": str(self.limits.retry_after_s)},
+            )
         capacity = self.engine.cache.num_slots + self.limits.max_waiting
         if self.in_flight + prompts > capacity:
             waiting = max(self.in_flight - self.engine.cache.num_slots, 0)
@@ -398,6 +408,9 @@ def build_app(service: EngineService, api_key: str | None = None, max_request_by
     from hybridflow.serve.scoring import add_scoring_routes
 
     add_scoring_routes(app, service)  # the teacher's /v1/score (on-policy distillation)
+    from hybridflow.serve.sleep import add_sleep_routes
+
+    add_sleep_routes(app, service)  # /sleep, /wake_up, /is_sleeping (a colocated reward model)
     return RequestGate(app, api_key, max_request_bytes)
 
 

@@ -1,6 +1,6 @@
 """What a request passes before the app reads it: the API key and the body size (an ASGI middleware).
 
-- ``api_key``: every ``/v1/*`` request, ``/stats`` and ``/classify`` must carry
+- ``api_key``: every ``/v1/*`` request, ``/stats``, ``/classify`` and the sleep endpoints must carry
   ``Authorization: Bearer <key>`` (vLLM's ``--api-key``); ``/health`` stays open for load balancers.
   A wrong or missing key is a 401 in OpenAI's error shape, answered before the body is read.
 - ``max_body_bytes``: a body longer than this (by its ``Content-Length`` or as it streams in) is a 413,
@@ -16,6 +16,9 @@ import json
 
 def error_body(status: int, message: str, kind: str, code: str | None = None) -> bytes:
     return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+
+
+PROTECTED = ("/stats", "/classify", "/sleep", "/wake_up", "/is_sleeping")  # besides /v1/*
 
 
 class RequestGate:
@@ -68,7 +71,7 @@ class RequestGate:
 
     @staticmethod
     def _protected(path: str) -> bool:
-        return path in ("/stats", "/classify") or path.startswith("/v1/") or path == "/v1"
+        return path in PROTECTED or path.startswith("/v1/") or path == "/v1"
 
     async def _too_large(self, send) -> None:
         message = f"The request body is larger than this server's limit of {self.max_body_bytes} bytes."

@@ -4,7 +4,8 @@ trainer (which phases a step runs). Pure config reading: no torch, no Ray.
 
 Roles (verl's ``Role``): ``actor_rollout`` (the hybrid actor + rollout engine, always present),
 ``ref`` (the reference policy, for a KL loss or a KL penalty in the reward), ``critic`` (for an
-estimator that reads values), ``rm`` (a model reward).
+estimator that reads values), ``rm`` (a model reward: the reward-model worker; with the reward loop
+on, the reward model is served instead, :func:`served_reward_model`, and takes no role here).
 """
 
 from __future__ import annotations
@@ -33,8 +34,20 @@ def need_reference(config: DictConfig) -> bool:
 def roles_in_use(config: DictConfig) -> list[str]:
     """The roles this run builds, in :data:`ROLES` order."""
     used = {"actor_rollout": True, "ref": need_reference(config), "critic": need_critic(config)}
-    used["rm"] = bool(config.reward_model.enable)
+    used["rm"] = reward_model_worker(config)
     return [role for role in ROLES if used[role]]
+
+
+def served_reward_model(config: DictConfig) -> bool:
+    """``reward_model.enable`` with ``use_reward_loop``: main_ppo serves the reward model itself
+    (``hybridflow.serve`` replicas behind a router), no reward-model worker."""
+    rm = config.reward_model
+    return bool(rm.get("enable", False)) and bool(rm.get("use_reward_loop", False))
+
+
+def reward_model_worker(config: DictConfig) -> bool:
+    """The ``rm`` role: a reward-model worker scoring the batch (``reward_model.enable``, loop off)."""
+    return bool(config.reward_model.get("enable", False)) and not served_reward_model(config)
 
 
 def update_computes_old_log_probs(config: DictConfig) -> bool:

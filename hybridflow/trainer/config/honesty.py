@@ -154,7 +154,7 @@ def _checkpoint_problems(config: DictConfig, section: str) -> list[str]:
 
 def _fsdp_sections(config: DictConfig) -> list[tuple[str, bool]]:
     """(dotted fsdp_config path, trainable parameters are the model's own) for each model in use."""
-    from hybridflow.utils.roles import need_critic
+    from hybridflow.utils.roles import need_critic, reward_model_worker
 
     lora = int(config.actor_rollout_ref.model.get("lora_rank", 0) or 0) > 0
     sections = [
@@ -164,7 +164,7 @@ def _fsdp_sections(config: DictConfig) -> list[tuple[str, bool]]:
     ]
     if need_critic(config):
         sections.append(("critic.model.fsdp_config", True))
-    if config.reward_model.enable:
+    if reward_model_worker(config):
         sections.append(("reward_model.model.fsdp_config", False))
     return sections
 

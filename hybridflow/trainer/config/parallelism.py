@@ -138,12 +138,12 @@ SP_SECTIONS = tuple(ROLE_SP_SECTIONS.values())
 
 
 def _sp_in_use(config: DictConfig, section: str) -> bool:
-    from hybridflow.utils.roles import need_critic, need_reference
+    from hybridflow.utils.roles import need_critic, need_reference, reward_model_worker
 
     if section == "critic":
         return need_critic(config)
     if section == "reward_model":
-        return bool(config.reward_model.get("enable", False))
+        return reward_model_worker(config)
     if section == "actor_rollout_ref.ref":
         return need_reference(config)
     return True

@@ -3,8 +3,9 @@
 - the loop on: ``reward_model.reward_manager`` (or the top-level ``reward_manager.name``) must be a
   reward-loop manager (``naive``, ``dapo``, ``rate_limited``/``limited`` or one registered into
   :mod:`hybridflow.workers.reward_loop.registry`); a served reward model in the loop
-  (``reward_model.enable=true``) is not started by main_ppo yet: start ``python -m hybridflow.serve`` and
-  hand its address to an async reward function through ``reward_model.reward_kwargs``;
+  (``reward_model.enable=true``) is started by main_ppo (:func:`served_rm_problems`: its engine keys
+  ``reward_model.rollout.*``, its pool ``enable_resource_pool`` / ``n_gpus_per_node`` / ``nnodes``;
+  standalone needs ``rollout.mode=async`` with ``reward_in_loop``);
 - the loop off: the rate-limit keys and the top-level ``reward_manager`` section other than
   ``source=register`` have no reader, and are refused when set;
 - the limits themselves: ``max_concurrent`` >= 1, ``max_rpm``/``max_tpm`` > 0 or null, ``timeout`` > 0,
@@ -12,6 +13,8 @@
 """
 
 from __future__ import annotations
+
+import os
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -65,6 +68,11 @@ def reward_loop_problems(config: DictConfig) -> list[str]:
             problems.append(
                 "reward_manager.source=importlib is read by the reward loop: set use_reward_loop=true"
             )
+        if rm.get("enable_resource_pool", False):
+            problems.append(
+                "reward_model.enable_resource_pool=true places a served reward model in the reward loop: set "
+                "reward_model.use_reward_loop=true (the reward-model worker runs on the trainer's placement)"
+            )
         if name in ("limited", "rate_limited"):
             problems.append(
                 f"reward_model.reward_manager={name} scores in the reward loop: set "
@@ -85,10 +93,100 @@ def reward_loop_problems(config: DictConfig) -> list[str]:
             f"reward_model.{', '.join(changed)} are read only by reward_manager=limited (this run's: {name})"
         )
     if rm.get("enable", False):
+        problems += served_rm_problems(config, rm)
+    return problems
+
+
+# reward_model.rollout keys served as they are (python -m hybridflow.serve flags) or accepted at these values
+SERVED_RM_LIMITED = {
+    "cudagraph_capture_sizes": ((None,), "the served engine captures no CUDA graphs on the CPU"),
+    "data_parallel_size": ((1,), "replicas come from the pool's size (n_gpus_per_node, or the trainer's)"),
+    "expert_parallel_size": ((1,), "the served engine has no expert parallelism"),
+    "tensor_model_parallel_size": ((1,), "a served replica is one process (no tensor parallelism)"),
+    "load_format": (("auto",), "the judge's weights load from reward_model.model.path"),
+    "engine_kwargs": (({},), "the served engine takes no extra engine arguments"),
+    "limit_images": ((None,), "the judge serves text"),
+    "enable_chunked_prefill": ((False,), "the engine prefills whole prompts"),
+    "enable_prefix_caching": ((True,), "the engine always prefills a prompt once for its n samples"),
+    "disable_log_stats": ((True,), "the served engine logs no periodic stats"),
+    "skip_tokenizer_init": ((False,), "the judge's tokenizer serves the chat template (verl asserts false)"),
+}
+SERVED_DTYPES = {None: None, "fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
+
+
+def served_rm_problems(config: DictConfig, rm: dict) -> list[str]:
+    """``reward_model.enable=true`` with the loop on: main_ppo serves ``model.path`` itself
+    (:class:`hybridflow.workers.reward_loop.servers.RewardModelServers`); its pool and engine keys."""
+    problems = []
+    served = rm.get("rollout") or {}
+    for key, (accepted, why) in SERVED_RM_LIMITED.items():
+        value = served.get(key, accepted[0])
+        if value not in accepted:
+            problems.append(
+                f"reward_model.rollout.{key}={value!r} is not supported ({why}); set {accepted[0]!r}"
+            )
+    if served.get("name", "engine") not in ("engine", "vllm"):
         problems.append(
-            "reward_model.enable=true with use_reward_loop=true: main_ppo does not start a served reward "
-            "model (GenRM/DisRM) yet; start `python -m hybridflow.serve --model <RM>` and pass its address "
-            "to an async custom reward function with "
-            "reward_model.reward_kwargs.reward_router_address=<host:port>"
+            f"reward_model.rollout.name={served.get('name')!r}: the judge is served by engine or vllm"
         )
+    if served.get("dtype") not in SERVED_DTYPES:
+        problems.append(f"reward_model.rollout.dtype={served.get('dtype')!r}: use null, fp32 or bf16")
+    for key in ("max_num_batched_tokens", "max_num_seqs", "prompt_length", "response_length"):
+        value = served.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            problems.append(f"reward_model.rollout.{key}={value!r} must be an integer >= 1")
+    fraction = served.get("gpu_memory_utilization", 0.5)
+    if served.get("kv_cache_memory_gb") is None and not (
+        isinstance(fraction, int | float) and 0 < fraction <= 1
+    ):
+        problems.append(f"reward_model.rollout.gpu_memory_utilization={fraction!r} must be in (0, 1]")
+    if rm.get("num_workers", 1) != 1:
+        problems.append(
+            f"reward_model.num_workers={rm.get('num_workers')!r}: only 1 (the reward loop runs in the "
+            "trainer's reward phase and in the agent-loop workers, not in workers of its own)"
+        )
+    path = os.path.expanduser(str((rm.get("model") or {}).get("path")))
+    if not os.path.isdir(path):
+        problems.append(
+            f"reward_model.model.path={path!r} is not a model directory (the reward model to serve)"
+        )
+    elif not _get(config, "custom_reward_function.path"):
+        from hybridflow.workers.reward_loop.loop import is_classifier_dir
+
+        if not is_classifier_dir(path):
+            problems.append(
+                "reward_model.enable=true serves a generative reward model: set custom_reward_function.path "
+                "to a compute_score that asks it (it gets reward_router_address); only a sequence "
+                "classifier (a DisRM) scores without one"
+            )
+    if _get(config, "async_training") is not None:
+        problems.append(
+            "reward_model.enable=true with use_reward_loop=true: fully_async_main does not start a served "
+            "reward model (main_ppo does); start `python -m hybridflow.serve --model <RM>` and pass its "
+            "address with reward_model.reward_kwargs.reward_router_address=<host:port>, enable=false"
+        )
+    kwargs = rm.get("reward_kwargs") or {}
+    if kwargs.get("reward_router_address"):
+        problems.append(
+            "reward_model.reward_kwargs.reward_router_address with reward_model.enable=true: main_ppo starts "
+            "the reward model and hands its own router's address; pass one or the other"
+        )
+    if not rm.get("enable_resource_pool", False):
+        return problems
+    rollout = _get(config, "actor_rollout_ref.rollout") or {}
+    agent = rollout.get("agent") or {}
+    if rollout.get("mode") != "async" or not agent.get("reward_in_loop", True):
+        problems.append(
+            "reward_model.enable_resource_pool=true (standalone) scores each sample in its agent loop as it "
+            "finishes: set actor_rollout_ref.rollout.mode=async and rollout.agent.reward_in_loop=true "
+            "(or enable_resource_pool=false: colocated, scored after the rollout)"
+        )
+    if rm.get("nnodes") != 1:
+        problems.append(
+            f"reward_model.nnodes={rm.get('nnodes')!r}: standalone needs 1 (the judge replicas start on the "
+            "driver's machine)"
+        )
+    gpus = rm.get("n_gpus_per_node")
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+        problems.append(f"reward_model.n_gpus_per_node={gpus!r} must be an integer >= 1 (the replicas)")
     return problems

@@ -261,7 +261,9 @@ def build_worker_groups(
     """One worker group per resource pool, holding the roles placed on it; returns the role views.
     The processes start in the background (the groups do not wait for them). ``hybrid=False``: the
     actor's workers hold no rollout engine (the asynchronous trainer generates on a pool of its own)."""
-    rm = bool(config.reward_model.enable)
+    from hybridflow.utils.roles import reward_model_worker
+
+    rm = reward_model_worker(config)
     placement = _with_roles(placement_from_config(config), use_critic, use_reference, rm)
     classes = role_classes(config, placement, hybrid)
     env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}

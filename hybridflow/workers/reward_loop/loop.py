@@ -14,16 +14,26 @@ the rollout), and the trainer's reward phase calls the loop on the whole batch (
 return_dict=True)``, the batch managers' contract): every row becomes one task, scored concurrently on the
 loop's own event-loop thread.
 
+A served reward model (``reward_model.enable`` with the loop on; main_ppo starts it and writes its router
+into ``reward_kwargs.reward_router_address``): the function gets that address and the RM's tokenizer
+(loaded from ``reward_model.model.path``); a classifier there with no custom function is a DisRM. Given
+``judge`` (colocated: :class:`~.servers.RewardModelServers`), a batch call wakes it first and, with
+``reward_model.rollout.free_cache_engine``, puts it to sleep after (its KV cache released).
+
 Metrics (:meth:`pop_metrics`): ``reward/<source>/mean`` per source (``rule``, ``genrm``, ``disrm``),
 ``reward/judge_latency_p50_s``/``p95_s`` (each answered HTTP request to a served model), ``reward/retries``,
-``reward/failures/<kind>`` (samples scored 0 after a ``timeout`` or an ``error``), ``reward/samples``.
+``reward/failures/<kind>`` (samples scored 0 after a ``timeout`` or an ``error``), ``reward/samples``;
+colocated, ``reward/judge_wake_s``, ``reward/judge_freed_kv_gb`` and ``reward/judge_rss_freed_gb`` (what
+the judge's sleep released: its KV tensors, and its processes' resident set).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 import threading
+import time
 from collections import Counter
 from typing import Any
 
@@ -63,6 +73,20 @@ def manager_class(config) -> type:
     raise ValueError(f"reward_manager.source={source!r}; choose register or importlib")
 
 
+def is_classifier_dir(path: str) -> bool:
+    """Whether the model in ``path`` is a sequence classifier (a DisRM; its config's architectures)."""
+    from transformers import AutoConfig
+
+    archs = AutoConfig.from_pretrained(path).architectures or []
+    return any(a.endswith("ForSequenceClassification") for a in archs)
+
+
+def _timed(call) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else 0.0
 
@@ -73,19 +97,43 @@ class RewardLoop:
     ``disrm``: an object with ``async score(data) -> float`` (a DisRM), or None."""
 
     def __init__(
-        self, config, tokenizer, reward_router_address=None, reward_model_tokenizer=None, disrm=None
+        self,
+        config,
+        tokenizer,
+        reward_router_address=None,
+        reward_model_tokenizer=None,
+        disrm=None,
+        judge=None,
     ):
         from hybridflow.workers.reward_manager.custom import _custom_compute_score
 
         self.config = config
         custom = _custom_compute_score(cfg_get(config, "custom_reward_function"))
         self.has_custom = custom is not None
+        rm = cfg_get(config, "reward_model") or {}
+        if reward_router_address is None:  # main_ppo's served RM, or a judge served apart: reward_kwargs
+            reward_router_address = cfg_get(cfg_get(rm, "reward_kwargs") or {}, "reward_router_address")
+        served = bool(cfg_get(rm, "enable", False)) and bool(cfg_get(rm, "use_reward_loop", False))
+        if served and reward_router_address is None:
+            raise RuntimeError(
+                "reward_model.enable=true with the reward loop: the served reward model's address is missing "
+                "(main_ppo starts it and sets reward_model.reward_kwargs.reward_router_address)"
+            )
+        if served and reward_model_tokenizer is None:  # verl hands the RM's tokenizer to the function
+            from hybridflow.models.loading import load_tokenizer
+
+            path = os.path.expanduser(str(cfg_get(cfg_get(rm, "model"), "path")))
+            reward_model_tokenizer = load_tokenizer(path)
+            if disrm is None and not self.has_custom and is_classifier_dir(path):  # a DisRM, served
+                from hybridflow.workers.reward_loop.disrm import ServedDisRM
+
+                disrm = ServedDisRM(reward_router_address, path, tokenizer, reward_model_tokenizer)
         self.disrm = None if self.has_custom else disrm  # a custom function takes precedence (verl)
         self.source = "disrm" if self.disrm is not None else ("genrm" if reward_router_address else "rule")
-        if reward_router_address is None:  # a judge served apart, its address in reward_kwargs
-            kwargs = cfg_get(cfg_get(config, "reward_model"), "reward_kwargs") or {}
-            reward_router_address = cfg_get(kwargs, "reward_router_address")
-            self.source = "genrm" if reward_router_address and self.disrm is None else self.source
+        # colocated: the served RM (RewardModelServers) woken for each batch call, asleep after it
+        self.judge = judge
+        self.free_cache = bool(cfg_get(cfg_get(rm, "rollout") or {}, "free_cache_engine", True))
+        self._judge_metrics: dict[str, float] = {}
         cls = manager_class(config)
         self.manager = cls(config, tokenizer, custom, reward_router_address, reward_model_tokenizer)
         self._calls = CallStats()
@@ -135,7 +183,19 @@ class RewardLoop:
         if "rm_scores" in data.batch.keys():
             rm = data.batch["rm_scores"]
             return {"reward_tensor": rm, "reward_extra_info": {}} if return_dict else rm
-        reward, extras = asyncio.run_coroutine_threadsafe(self.score_batch(data), self._event_loop()).result()
+        if self.judge is not None and self.free_cache:
+            self._judge_metrics["reward/judge_wake_s"] = _timed(self.judge.wake_up)
+        try:
+            reward, extras = asyncio.run_coroutine_threadsafe(
+                self.score_batch(data), self._event_loop()
+            ).result()
+        finally:
+            if self.judge is not None:
+                self.judge.check_alive()  # a dead replica is named, not left to fail every request
+                if self.free_cache:
+                    freed = self.judge.sleep()
+                    self._judge_metrics["reward/judge_freed_kv_gb"] = freed["freed_kv_gb"]
+                    self._judge_metrics["reward/judge_rss_freed_gb"] = freed["rss_freed_gb"]
         return {"reward_tensor": reward, "reward_extra_info": extras} if return_dict else reward
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
@@ -156,6 +216,8 @@ class RewardLoop:
         retries = calls.retries + manager_retries - self._manager_retries
         self._manager_retries = manager_retries
         metrics = {f"reward/{source}/mean": float(np.mean(values)) for source, values in scores.items()}
+        metrics.update(self._judge_metrics)
+        self._judge_metrics = {}
         metrics["reward/samples"] = float(sum(len(v) for v in scores.values()))
         metrics["reward/retries"] = float(retries)
         for kind in ("timeout", "error"):
