@@ -144,7 +144,10 @@ class RayPPOTrainer:
             self._stop_when_out_of_time(time.monotonic() - start, self.global_steps - first_step, progress)
             if self._is_due(self.config.trainer.test_freq) and self.val_reward_fn is not None:
                 if not self.stop.requested:  # preempted: the grace period is for the save
-                    metrics.update(self.validate())
+                    testing: dict[str, float] = {}
+                    with marked_timer("testing", testing):  # verl's name; outside timing_s/step here
+                        metrics.update(self.validate())
+                    metrics["timing_s/testing"] = testing["testing"]
             self._log(metrics, step=self.global_steps)  # first: a save that fails keeps the step's metrics
             if self._is_due(self.config.trainer.save_freq) or self._save_on_preempt():
                 self.checkpointer.save(self)

@@ -153,6 +153,8 @@ def test_grpo_run_logs_finite_verl_metrics(reference_run):
         assert key in step, key
         assert math.isfinite(step[key]), key
     assert "critic/vf_loss" not in step  # GRPO: no critic
+    assert step["timing_s/testing"] > 0  # verl's validation time, at the steps that validate only
+    assert "timing_s/testing" not in metrics[3]
     # the engine (2 ranks, weights synced from the sharded actor) agrees with the actor's recompute
     for record in metrics.values():
         if "training/rollout_log_probs_diff_max" in record:
