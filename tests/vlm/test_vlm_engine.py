@@ -177,6 +177,32 @@ def test_engine_rollout_log_probs_equal_the_actors_before_and_after_a_vision_tow
         rollout.update_weights()
         after = rolled_out()
         assert not torch.allclose(before, after)
+        # multi-turn (multi_turn.enable, no tools: one turn each): the conversations carry the images
+        config.actor_rollout_ref.rollout.multi_turn.enable = True
+        rollout = EngineRollout(actor, config.actor_rollout_ref.rollout, rank=0, tokenizer=tokenizer)
+        rolled_out()
+
+
+def test_the_server_takes_a_samples_multi_modal_inputs_and_names_what_else_it_refuses():
+    import asyncio
+
+    from PIL import Image
+
+    from hybridflow.workers.rollout.replica import LLMServer, ReplicaError
+
+    async def calls():
+        server = LLMServer("replica 0")
+        grid = {"pixel_values": torch.zeros(16, 1176), "image_grid_thw": torch.tensor([[1, 4, 4]])}
+        waiting = asyncio.ensure_future(server.generate("a", prompt_ids=[1, 2], image_data=grid))
+        await asyncio.sleep(0)
+        assert server._queue[0][3] is grid  # queued for the engine with its images
+        with pytest.raises(
+            ReplicaError, match="request b: image_data must be the sample's multi_modal_inputs"
+        ):
+            await server.generate("b", prompt_ids=[1], image_data=[Image.new("RGB", (56, 56))])
+        waiting.cancel()
+
+    asyncio.run(calls())
 
 
 def test_engine_rollout_accepted_for_qwen2_5_vl_and_refused_for_another_vision_type(vlm_model_dir, tmp_path):
@@ -197,3 +223,68 @@ def test_engine_rollout_accepted_for_qwen2_5_vl_and_refused_for_another_vision_t
         "engine runs the vision tower and M-RoPE of qwen2_5_vl only: set rollout.name=hf" in p
         for p in problems
     )
+
+
+class _Scripted:
+    """Forces the model's first turn to ``text`` then EOS; later turns generate freely (greedy)."""
+
+    def __init__(self, token_ids: list[int]):
+        self.script, self.turn = token_ids, 0
+
+    def __call__(self, generated: list[int], logits: torch.Tensor) -> torch.Tensor:
+        if self.turn > 0:
+            return logits
+        token = self.script[len(generated)]
+        self.turn += len(generated) == len(self.script) - 1
+        forced = torch.full_like(logits, float("-inf"))
+        forced[token] = 0.0
+        return forced
+
+
+def test_a_two_turn_tool_conversation_carries_the_first_turns_images(vlm):
+    """Turn 1 (scripted) calls a tool; turn 2's prefill (prompt with the image, turn 1, the tool's
+    answer) takes the first turn's images: its greedy tokens and log-probs equal HF's forward on the
+    whole image+text conversation."""
+    import asyncio
+
+    from hybridflow.workers.rollout.multi_turn import MultiTurnLimits, ToolAgentLoop
+    from hybridflow.workers.rollout.tools.base_tool import BaseTool, ToolSchema
+    from hybridflow.workers.rollout.tools.parser import get_tool_call_parser
+
+    class Colour(BaseTool):
+        def __init__(self):
+            super().__init__({}, ToolSchema("colour", "the colour", {"type": "object"}))
+
+        async def execute(self, instance_id, parameters, **kwargs):
+            return "red", 0.0, {}
+
+    model, tokenizer, dataset = vlm
+    ids, images = _image_prompts(model, tokenizer, dataset)[0]
+    eos = tokenizer.eos_token_id
+    engine = LLMEngine(EngineModel.from_hf_module(model, 256), 4, 256, [eos])
+    limits = MultiTurnLimits(response_length=120, max_assistant_turns=2)
+    loop = ToolAgentLoop(
+        engine, tokenizer, {"colour": Colour()}, get_tool_call_parser("hermes"), limits, [eos]
+    )
+    call = tokenizer.encode('<tool_call>{"name": "colour", "arguments": {}}</tool_call>') + [eos]
+    params = SamplingParams(do_sample=False, logits_processor=_Scripted(call))
+    conv = asyncio.run(loop.run(ids, params, images=images))
+    assert (conv.assistant_turns, conv.tool_calls, conv.tool_failures) == (2, 1, 0), conv.finish_reason
+    tool_turn = loop.renderer.tool_turn_ids(["red"])
+    assert conv.response_ids[: len(call) + len(tool_turn)] == call + tool_turn
+    second = len(call) + len(tool_turn)  # where turn 2 starts in the response
+    assert len(conv.response_ids) > second and conv.response_mask[second:] == [1] * (
+        len(conv.response_ids) - second
+    )
+    sequence = ids + conv.response_ids
+    with torch.no_grad():
+        logits = model(
+            input_ids=torch.tensor([sequence]), **_hf_inputs(model, sequence, images, len(ids))
+        ).logits
+    logits = logits.float()
+    logits[..., [model.config.image_token_id, model.config.video_token_id]] = -1e30
+    start = len(ids) + second
+    turn2 = torch.log_softmax(logits[0, start - 1 : -1], -1)
+    assert turn2.argmax(-1).tolist() == conv.response_ids[second:]  # HF's greedy choice at every token
+    chosen = turn2.gather(-1, torch.tensor(conv.response_ids[second:])[:, None])[:, 0]
+    assert (chosen - torch.tensor(conv.log_probs[second:])).abs().max() < 1e-5

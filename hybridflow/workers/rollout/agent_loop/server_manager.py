@@ -65,7 +65,8 @@ class AsyncLLMServerManager:
         image_data=None,
         video_data=None,
     ) -> TokenOutput:
-        """Generate from ``prompt_ids`` on the replica this ``request_id`` sticks to."""
+        """Generate from ``prompt_ids`` on the replica this ``request_id`` sticks to. ``image_data``: a
+        vision-language sample's ``multi_modal_inputs`` (:meth:`~.replica.LLMServer.generate`)."""
         index = self._choose_server(request_id)
         self.in_flight[index] += 1
         self.sent[index] += 1

@@ -36,6 +36,13 @@ async def prompt_ids_of(loop: AgentLoopBase, kwargs: dict) -> list[int]:
     return await loop.apply_chat_template(list(kwargs["raw_prompt"]))
 
 
+def sample_images(kwargs: dict) -> dict:
+    """``{"image_data": the sample's multi_modal_inputs}`` for a vision-language sample with images
+    (the server call's keyword; the dataset's ``pixel_values`` and ``image_grid_thw``), else ``{}``."""
+    inputs = kwargs.get("multi_modal_inputs")
+    return {"image_data": dict(inputs)} if inputs else {}
+
+
 def backend_name(loop: AgentLoopBase) -> str:
     """How errors name the generation backend: ``rollout.name=engine`` or ``rollout.name=vllm``."""
     return f"rollout.name={loop.config.actor_rollout_ref.rollout.get('name', 'engine')}"
@@ -98,7 +105,7 @@ class SingleTurnAgentLoop(AgentLoopBase):
             params["seed_position"] = len(response)  # continue the sample's own sampling stream
         start = time.perf_counter()
         output = await self.server_manager.generate(
-            request_id, prompt_ids=prompt_ids + response, sampling_params=params
+            request_id, prompt_ids=prompt_ids + response, sampling_params=params, **sample_images(kwargs)
         )
         spent += time.perf_counter() - start
         turn = turn_log_probs(output, wanted, request_id, backend_name(self))

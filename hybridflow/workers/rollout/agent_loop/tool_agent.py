@@ -36,6 +36,7 @@ from hybridflow.workers.rollout.agent_loop.base import (
 from hybridflow.workers.rollout.agent_loop.single_turn import (
     backend_name,
     prompt_ids_of,
+    sample_images,
     turn_log_probs,
     version_span,
 )
@@ -66,13 +67,18 @@ class _ServerTurns:
         self.aborted = False
         self.extra: dict = dict(extra or {})
 
-    async def generate(self, prompt_ids: list[int], params, n: int = 1, request_id: str | None = None):
+    async def generate(
+        self, prompt_ids: list[int], params, n: int = 1, request_id: str | None = None, images=None
+    ):
         sampling = dict(self.sampling_params, max_tokens=int(params.max_new_tokens))
         if sampling.get("seed") is not None:
             sampling["seed_position"] = len(prompt_ids) - self.prompt_len  # response tokens so far
         start = time.perf_counter()
         out = await self.server_manager.generate(
-            self.request_id, prompt_ids=list(prompt_ids), sampling_params=sampling
+            self.request_id,
+            prompt_ids=list(prompt_ids),
+            sampling_params=sampling,
+            **({"image_data": images} if images else {}),
         )
         self.seconds += time.perf_counter() - start
         self.aborted = self.aborted or out.stop_reason == "aborted"
@@ -128,6 +134,7 @@ class ToolAgentLoop(AgentLoopBase):
             self.eos_token_ids,
         )
         conv, session = previous.conversation(prompt_ids), None
+        conv.images = sample_images(kwargs).get("image_data")  # every turn's prefill takes them
         if partial is not None:
             session = _PARKED.pop(request_id, None)
             if session is None:

@@ -216,10 +216,16 @@ class LLMEngine:
         return [r.result() for r in requests]
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, n: int = 1, request_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        n: int = 1,
+        request_id: str | None = None,
+        images: dict | None = None,
     ) -> GenerationResult:
-        """Generate for one prompt, sharing the running batch with every other pending call."""
-        request = self.add_request(prompt_ids, params, n, request_id)
+        """Generate for one prompt, sharing the running batch with every other pending call
+        (``images``: as :meth:`add_request`'s; a later turn of a conversation passes its first turn's)."""
+        request = self.add_request(prompt_ids, params, n, request_id, images=images)
         request.future = asyncio.get_running_loop().create_future()
         self._ensure_loop()
         try:
