@@ -134,6 +134,8 @@ def test_image_tokens_without_their_features_fail_the_request_by_name(vlm):
         engine.add_request(ids, SamplingParams(), request_id="r7")
     with pytest.raises(ValueError, match="has 0 image tokens but its images have 4"):
         engine.add_request(tokenizer.encode("no image here"), SamplingParams(), images=images)
+    with pytest.raises(ValueError, match="sequence 0 holds image tokens: scoring takes no images"):
+        __import__("asyncio").run(engine.score([ids], [len(ids) - 1], k=1))
 
 
 def test_engine_rollout_log_probs_equal_the_actors_before_and_after_a_vision_tower_sync(vlm):
@@ -174,6 +176,8 @@ def test_engine_rollout_log_probs_equal_the_actors_before_and_after_a_vision_tow
             for name, param in actor.named_parameters():
                 if name.startswith("model.visual.") and param.dim() == 2:
                     param.mul_(1.5)
+        rollout.release_weights()  # between rollouts: the vision tower's copy is freed and re-made too
+        assert rollout.model.vision.module.patch_embed.proj.weight.is_meta
         rollout.update_weights()
         after = rolled_out()
         assert not torch.allclose(before, after)

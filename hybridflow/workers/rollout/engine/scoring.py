@@ -107,8 +107,13 @@ async def score_in_engine(engine, sequences: list[list[int]], starts: list[int],
     """:meth:`LLMEngine.score`: the requests checked, then :func:`score_sequences` on the engine's model;
     with ``step_in_thread`` in the engine's step thread, so scoring never runs during a step and the
     event loop keeps answering."""
-    for ids, start in zip(sequences, starts, strict=True):
+    vision = engine.model.vision
+    for i, (ids, start) in enumerate(zip(sequences, starts, strict=True)):
         check_scoring_request(ids, start, k, engine.model.full_spec.vocab_size, engine.max_model_len)
+        if vision is not None and vision.image_token_id in ids:
+            raise ValueError(
+                f"sequence {i} holds image tokens: scoring takes no images (the engine scores text only)"
+            )
     if not engine.step_in_thread:
         return score_sequences(engine.model, sequences, starts, k, temperature)
     if engine._executor is None:
