@@ -1,7 +1,7 @@
 """On-policy distillation on the CPU: a weak student learns 2-digit + 2-digit addition (with carries) from
 a served teacher, against GRPO alone at the same wall clock.
 
-``python examples/distill/run.py [--out DIR] [--stage all|models|distill|grpo|summary]``
+``python examples/distill/run.py [--out DIR] [--stage all|models|distill|grpo|summary|probe]``
 
 1. ``models``: the task (``a + b``, both operands of two digits: most problems carry) and the
    quickstart's tiny model (``hybridflow.quickstart``), fine-tuned twice: the **teacher** on correct
@@ -15,7 +15,10 @@ a served teacher, against GRPO alone at the same wall clock.
    accuracy at 15 s ... 10 min; ``summary.jsonl`` with the whole curves) and ``distill_vs_grpo.png``
    (validation accuracy against the seconds since training began).
 
-``models`` = ``teacher`` then ``student`` (each its own stage too). Each stage is one heavy job (run them
+``models`` = ``teacher`` then ``student`` (each its own stage too). ``probe`` (not in ``all``) picks the
+student's SFT steps: one student trained to the largest of ``--probe-steps``, its greedy accuracy and its
+sample accuracy at temperature 1 (``sample_accuracy``: how often GRPO's groups of 8 hold a right answer)
+printed at each, the models kept in ``DIR/probe/student_<steps>``. Each stage is one heavy job (run them
 one at a time on a shared machine). The student runs are the real stack: Ray worker groups, FSDP2 over
 gloo, the engine, an HTTP teacher.
 """
@@ -44,13 +47,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--stage",
         default="all",
-        choices=("all", "models", "teacher", "student", "distill", "grpo", "summary"),
+        choices=("all", "models", "teacher", "student", "distill", "grpo", "summary", "probe"),
     )
     parser.add_argument("--minutes", type=float, default=10.0, help="wall clock of each student run")
     parser.add_argument("--teacher-sft-steps", type=int, default=1200)
     parser.add_argument(
         "--student-sft-steps", type=int, default=250, help="few: a student whose samples are rarely right"
     )
+    parser.add_argument("--probe-steps", default="100,150,200,250,300,350,400", help="--stage probe's marks")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--prompts-per-step", type=int, default=32)
     parser.add_argument("--distill-n", type=int, default=2, help="responses per prompt when distilling")
@@ -104,10 +108,15 @@ def build_models(args, out: Path, which: tuple[str, ...] = ("teacher", "student"
         print(json.dumps(line), flush=True)
 
 
-def fine_tune(base: Path, sft_file: Path, target: Path, steps: int, seed: int, lr: float = 1e-3) -> float:
+def fine_tune(
+    base: Path, sft_file: Path, target: Path, steps: int, seed: int, lr: float = 1e-3, on_save=None
+) -> float:
     """Supervised fine-tuning in this process (a plain PyTorch loop, 2 threads: for a 2.5M-parameter
     model the worker-group path's per-step overhead is most of a step): batches of 128 problems,
-    cross-entropy on the answer tokens and the end of turn only. Returns the seconds it took."""
+    cross-entropy on the answer tokens and the end of turn only. Returns the seconds it took.
+
+    ``on_save`` (``--stage probe``): ``{step: callback(model_dir, seconds, loss)}``; at each such step
+    the model is also saved to ``{target}_{step}`` and the callback called (its time not counted)."""
     import random
 
     import pyarrow.parquet as pq
@@ -147,6 +156,13 @@ def fine_tune(base: Path, sft_file: Path, target: Path, steps: int, seed: int, l
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
+        if on_save and step + 1 in on_save:
+            paused = time.time()
+            model.save_pretrained(f"{target}_{step + 1}")
+            tokenizer.save_pretrained(f"{target}_{step + 1}")
+            on_save[step + 1](Path(f"{target}_{step + 1}"), paused - start, loss.item())
+            model.train()
+            start += time.time() - paused
         if step % 100 == 0:
             print(f"[sft {target.parent.name}] step {step} loss {loss.item():.4f}", flush=True)
     model.save_pretrained(target)
@@ -222,6 +238,27 @@ def sample_accuracy(model_dir: Path, test_file: Path, n: int = 8, limit: int = 1
         "sample_accuracy": round(right / (n * len(rows)), 3),
         "groups_with_a_right_answer": groups_hit / len(rows),
     }
+
+
+def probe(args, out: Path) -> None:
+    """One JSON line per mark of ``--probe-steps``: the student's SFT loss, seconds, greedy and sample
+    accuracy after that many steps (the same student as ``--student-sft-steps`` of that many)."""
+    from hybridflow.quickstart import prepare
+
+    marks = sorted(int(m) for m in args.probe_steps.split(","))
+    _, test, weak_sft, base = prepare(quickstart_args(args, out / "student", marks[-1], 0.7), out / "student")
+
+    def report(steps: int):
+        def callback(model_dir: Path, seconds: float, loss: float) -> None:
+            line = {"sft_steps": steps, "loss": round(loss, 4), "sft_s": round(seconds, 1)}
+            line["greedy_accuracy"] = greedy_accuracy(model_dir, test)
+            print(json.dumps({**line, **sample_accuracy(model_dir, test)}), flush=True)
+
+        return callback
+
+    fine_tune(
+        base, weak_sft, out / "probe" / "student", marks[-1], args.seed, on_save={m: report(m) for m in marks}
+    )
 
 
 def _free_port() -> int:
@@ -433,6 +470,8 @@ def main(argv=None) -> None:
         distill(args, out)
     if args.stage in ("all", "grpo"):
         grpo(args, out)
+    if args.stage == "probe":
+        probe(args, out)
     if args.stage in ("all", "summary"):
         summary(out)
 
