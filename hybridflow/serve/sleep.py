@@ -3,10 +3,11 @@ reward model does between reward phases (:mod:`hybridflow.workers.reward_loop.se
 
 - ``POST /sleep`` (``?level=1``, the only level): new requests are refused with 503 + ``Retry-After``
   (the client retries, :mod:`hybridflow.utils.served_client`), the requests already admitted finish
-  (at most ``SLEEP_WAIT_S``, else 409 and the server stays awake), then the engine's KV cache is released
-  (:meth:`LLMEngine.release`). The weights stay: a judge is frozen, and on the CPU a re-read from disk
-  would cost more than it frees. Answer: ``{"sleeping": true, "freed_kv_bytes", "rss_before_bytes",
-  "rss_after_bytes"}`` (the process's resident set around the release).
+  (at most ``SLEEP_WAIT_S``, else 409 and the server stays awake), then the engine's KV cache is
+  released (:meth:`LLMEngine.release`) and the heap trimmed (:func:`trim_heap`). The weights stay: a
+  judge is frozen, and on the CPU a re-read from disk would cost more than it frees. Answer:
+  ``{"sleeping": true, "freed_kv_bytes", "rss_before_bytes", "rss_after_bytes"}`` (the process's
+  resident set around the release).
 - ``POST /wake_up``: the cache is re-created (``max_num_seqs`` x ``max_model_len``, as at start) and
   requests are admitted again: ``{"sleeping": false, "kv_bytes", "wake_s"}``.
 - ``GET /is_sleeping``: ``{"is_sleeping": bool}``.
@@ -27,6 +28,21 @@ SLEEP_WAIT_S = 30.0  # how long /sleep waits for admitted requests to finish
 def kv_bytes(engine) -> int:
     """Bytes held by the engine's KV cache tensors now (0 when released)."""
     return sum(t.numel() * t.element_size() for layer in engine.cache.layers for t in layer)
+
+
+def trim_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc's ``malloc_trim``): after the first free of a large
+    block glibc raises its mmap threshold, so the next cache comes from the heap and its free would
+    otherwise stay in this process's resident set."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name:
+        try:
+            ctypes.CDLL(name).malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc: nothing to trim
+            pass
 
 
 def rss_bytes() -> int:
@@ -70,6 +86,7 @@ def add_sleep_routes(app, service) -> None:
             )
         before, freed = rss_bytes(), kv_bytes(service.engine)
         service.engine.release()
+        trim_heap()
         return {
             "sleeping": True,
             "freed_kv_bytes": freed,

@@ -70,7 +70,7 @@ def _ask(address: str) -> str:
     return answer.choices[0].message.content
 
 
-def _kv_bytes(model_dir: str, slots: int = 4, positions: int = 64) -> int:
+def _kv_bytes(model_dir: str, slots: int = 256, positions: int = 64) -> int:
     """layers x (K, V) x slots x KV heads x positions x head size x 4 bytes (fp32): one replica's cache."""
     from transformers import AutoConfig
 
@@ -85,7 +85,7 @@ def test_a_colocated_judge_sleeps_wakes_and_a_dead_replica_is_named(tiny_model_d
         tiny_model_dir,
         replicas=1,
         served_name="judge",
-        server_args=("--kv-cache-memory-gb", "0.01", "--max-model-len", "64", "--max-num-seqs", "4"),
+        server_args=("--kv-cache-memory-gb", "0.05", "--max-model-len", "64", "--max-num-seqs", "256"),
         log_dir=str(tmp_path),
     )
     reported = []
@@ -96,6 +96,7 @@ def test_a_colocated_judge_sleeps_wakes_and_a_dead_replica_is_named(tiny_model_d
         assert httpx.post(f"{replica}/sleep").status_code == 401  # no key: refused, nothing released
         freed = servers.sleep()
         assert freed["freed_kv_gb"] * 2**30 == _kv_bytes(tiny_model_dir)  # to the byte
+        assert freed["rss_freed_gb"] > 0.8 * freed["freed_kv_gb"]  # the pages went back to the OS
         headers = {"Authorization": f"Bearer {KEY}"}
         assert httpx.get(f"{replica}/is_sleeping", headers=headers).json() == {"is_sleeping": True}
         asleep = httpx.post(

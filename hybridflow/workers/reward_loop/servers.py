@@ -56,7 +56,8 @@ class RewardModelServers:
         self.model_path, self.replicas = str(model_path), int(replicas)
         self.served_name = served_name or self.model_path
         self.server_args, self.threads = tuple(server_args), int(threads)
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="hybridflow-rm-"))
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="hybridflow-rm-")).resolve()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.start_timeout_s = float(start_timeout_s)
         self.processes: list[tuple[subprocess.Popen, str, Path]] = []
         self.urls: list[str] = []
