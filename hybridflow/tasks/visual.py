@@ -4,7 +4,7 @@ Each image is ``IMAGE_SIZE x IMAGE_SIZE`` (56) pixels on black, cut into a 2 x 2
 (with Qwen2-VL's 14-pixel patches merged 2 x 2, one image token per cell: 4 tokens per image). A shape
 is a filled 20-pixel square placed at a random offset inside its cell. Three question types, the same
 question text for every image of a type, so the text alone never tells the answer; the text lists the
-type's allowed answers (fair, and it keeps a model that cannot see anything answering with a valid word):
+type's allowed answers (fair, and it shows a model that sees nothing the words a valid answer uses):
 
 =========  ============================================  =====================  ======
 type       image                                         answers                chance
