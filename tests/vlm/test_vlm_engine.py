@@ -6,6 +6,7 @@ rollout's samples, before and after a weight sync that changes the vision tower.
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -142,13 +143,21 @@ def test_engine_rollout_log_probs_equal_the_actors_before_and_after_a_vision_tow
     from hybridflow.trainer.config import load_config
     from hybridflow.workers.actor.dp_actor import response_log_probs
     from hybridflow.workers.fsdp_utils import apply_fsdp2, build_device_mesh
-    from hybridflow.workers.rollout.engine_rollout import EngineRollout
+    from hybridflow.workers.rollout.engine_rollout import EngineRollout, prompt_runs
     from tests.utils.checkpoint.fsdp_toy import gloo_group
 
     model, tokenizer, dataset = vlm
     batch = DataProto.from_single_dict(collate_fn([dataset[i] for i in range(4)])).repeat(2, interleave=True)
     prompts = batch.select(batch_keys=PROMPT_KEYS, non_tensor_batch_keys=[keys.MULTI_MODAL_INPUTS, "index"])
     prompts.meta_info = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    copied = copy.deepcopy(
+        prompts
+    )  # each row's own images object (equal values): still one prefill per prompt
+    copied.non_tensor_batch[keys.MULTI_MODAL_INPUTS] = np.array(
+        [dict(r) for r in copied.non_tensor_batch[keys.MULTI_MODAL_INPUTS]], dtype=object
+    )
+    for data in (prompts, copied):
+        assert [run[1] for run in prompt_runs(data)] == [2, 2, 2, 2]
     values = {"data.max_prompt_length": 32, "data.max_response_length": 6}
     overrides = [
         "actor_rollout_ref.rollout.calculate_log_probs=true",

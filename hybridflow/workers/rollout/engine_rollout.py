@@ -194,8 +194,9 @@ def request_groups(
 
 def prompt_runs(prompts: DataProto) -> list[list]:
     """``[prompt ids, n, dataset index or None, images or None]`` per run of neighbouring rows of one
-    prompt, one index and the same images (a vision-language row's ``multi_modal_inputs``: the same
-    object, as ``DataProto.repeat`` leaves the n copies of a row)."""
+    prompt, one index and the same images (a vision-language row's ``multi_modal_inputs``: equal
+    ``image_grid_thw`` and ``pixel_values``, usually the same object, as ``DataProto.repeat`` leaves
+    the n copies of a row)."""
     rows = unpadded_rows(prompts.batch[keys.INPUT_IDS], prompts.batch[keys.ATTENTION_MASK])
     index = prompts.non_tensor_batch.get("index")
     inputs = prompts.non_tensor_batch.get(keys.MULTI_MODAL_INPUTS)
@@ -204,7 +205,7 @@ def prompt_runs(prompts: DataProto) -> list[list]:
         key = None if index is None else index[row]
         images = None if inputs is None else (inputs[row] or None)
         last = runs[-1] if runs else None
-        if last and last[0] == prompt and last[2] == key and last[3] is images:
+        if last and last[0] == prompt and last[2] == key and _same_images(last[3], images):
             last[1] += 1
         else:
             runs.append([prompt, 1, key, images])
@@ -404,6 +405,14 @@ class EngineRollout(BaseRollout):
             int(self.config.response_length),
             bool(self.config.get("calculate_log_probs")),
         )
+
+
+def _same_images(a: dict | None, b: dict | None) -> bool:
+    if a is b:
+        return True
+    if a is None or b is None:
+        return False
+    return all(torch.equal(a[k], b[k]) for k in ("image_grid_thw", "pixel_values"))
 
 
 def _images(group: tuple) -> dict | None:
