@@ -76,12 +76,13 @@ def run_ppo(config: DictConfig, worker_groups=None) -> dict[str, float]:
     torch.set_num_threads(1)  # the driver only moves batches and does light maths
     TrainerCheckpointer(config.trainer).preflight(config)  # a bad checkpoint dir fails in seconds
     started_ray = ensure_ray(config.ray_init)
-    stop, trainer, groups = StopRequest(), None, worker_groups
+    stop, trainer, groups, judge = StopRequest(), None, worker_groups, None
     with stop:  # from here SIGTERM/SIGINT finish the step, save, stop (trainer/ppo/preemption.py)
         try:
             if groups is None:  # the worker processes start now; data, tokenizer and reward load meanwhile
                 groups = start_worker_groups(config)
-            trainer = build_trainer(config, groups)
+            judge = start_reward_model(config)  # a served RM in the reward loop (None: none)
+            trainer = build_trainer(config, groups, judge=judge)
             trainer.stop = stop
             trainer.init_workers()
             print(f"hybridflow: ready to train {seconds_since_process_start():.1f} s after start", flush=True)
@@ -107,6 +108,8 @@ def run_ppo(config: DictConfig, worker_groups=None) -> dict[str, float]:
                     _plot(config, trainer.tracker)
                 write_ray_timeline(config.ray_init.get("timeline_json_file"))
             finally:
+                if judge is not None:
+                    judge.shutdown()
                 _shut_down(groups if worker_groups is None else None, owns_ray=started_ray)
 
 
@@ -125,6 +128,32 @@ def start_worker_groups(config: DictConfig):
     from hybridflow.utils.roles import need_critic, need_reference
 
     return build_worker_groups(config, need_critic(config), need_reference(config))
+
+
+def start_reward_model(config: DictConfig):
+    """``reward_model.enable`` with ``use_reward_loop``: the reward model served
+    (:class:`~hybridflow.workers.reward_loop.servers.RewardModelServers`: replicas + router, healthy
+    before it returns), its router written into ``reward_model.reward_kwargs.reward_router_address`` for
+    the reward loops (the trainer's, the agent loops'); a watcher reports a replica that exits. None
+    without a served reward model."""
+    from omegaconf import open_dict
+
+    from hybridflow.utils.roles import served_reward_model
+    from hybridflow.workers.reward_loop.servers import RewardModelServers
+
+    if not served_reward_model(config):
+        return None
+    judge = RewardModelServers.from_config(config, log_dir=os.path.join(log_dir(config), "reward_model"))
+    mode = "standalone" if config.reward_model.get("enable_resource_pool") else "colocated"
+    print(f"hybridflow: serving the reward model ({mode}): {judge.describe()}", flush=True)
+    judge.start()
+    with open_dict(config):
+        config.reward_model.reward_kwargs["reward_router_address"] = judge.address
+    judge.watch()
+    if mode == "colocated" and config.reward_model.rollout.get("free_cache_engine", True):
+        judge.sleep()  # as verl's: asleep until the first reward phase wakes it
+    print(f"hybridflow: reward model at http://{judge.address} (logs: {judge.log_dir})", flush=True)
+    return judge
 
 
 def _shut_down(own_groups, owns_ray: bool) -> None:
@@ -155,7 +184,9 @@ def write_ray_timeline(path: str | None) -> None:
     print(f"ray timeline: {path}")
 
 
-def build_trainer(config: DictConfig, worker_groups=None):
+def build_trainer(config: DictConfig, worker_groups=None, judge=None):
+    """The trainer; ``judge``: the served reward model (:func:`start_reward_model`), woken and put to
+    sleep around each reward phase when colocated."""
     from hybridflow.models.loading import load_tokenizer
     from hybridflow.trainer.ppo.ray_trainer import RayPPOTrainer
     from hybridflow.utils.dataset.multimodal import load_processor
@@ -173,7 +204,9 @@ def build_trainer(config: DictConfig, worker_groups=None):
     if config.reward_model.get("use_reward_loop", False):  # verl's reward loop: each sample on its own
         from hybridflow.workers.reward_loop import RewardLoop
 
-        reward_fn, val_reward_fn = RewardLoop(config, tokenizer), RewardLoop(config, tokenizer)
+        colocated = None if config.reward_model.get("enable_resource_pool") else judge
+        reward_fn = RewardLoop(config, tokenizer, judge=colocated)
+        val_reward_fn = RewardLoop(config, tokenizer, judge=colocated)
     else:
         reward_fn = build_reward_manager(
             config.reward_model,

@@ -43,6 +43,7 @@ from hybridflow.utils.roles import (
     ESTIMATORS_NEEDING_GREEDY_BASELINE,
     need_critic,
     need_reference,
+    reward_model_worker,
     update_computes_old_log_probs,
 )
 from hybridflow.utils.rollout_parity import check_log_prob_gap, gap_limit, parity_tolerance
@@ -248,7 +249,7 @@ class RayPPOTrainer:
     def reward_phase(self, batch: DataProto) -> Phase:
         """Sets ``token_level_scores`` (and per-sample extras) on ``batch``: the reward model's scores
         (a worker call) when enabled, else the rule reward function (run on the driver)."""
-        if not self.config.reward_model.enable:
+        if not reward_model_worker(self.config):  # (a served RM: the reward loop calls it in _score)
             return Phase("reward", run=lambda: self._score(batch))
         rm = self.wg.reward_model
         return Phase(

@@ -120,11 +120,14 @@ class AgentLoopWorker:
 
     def _reward_fn(self):
         """The run's reward manager, scoring in the loop; None when a reward model scores (the trainer
-        runs it) or ``rollout.agent.reward_in_loop`` is off."""
+        runs it: the reward-model worker, or a served RM colocated) or ``rollout.agent.reward_in_loop``
+        is off. A served RM standalone (``reward_model.enable_resource_pool``) scores here."""
         from hybridflow.workers.reward_manager import build_reward_manager
 
         agent = self.config.actor_rollout_ref.rollout.get("agent") or {}
-        if self.config.reward_model.get("enable") or not agent.get("reward_in_loop", True):
+        rm = self.config.reward_model
+        standalone = rm.get("enable") and rm.get("use_reward_loop") and rm.get("enable_resource_pool")
+        if (rm.get("enable") and not standalone) or not agent.get("reward_in_loop", True):
             return None
         if self.config.reward_model.get("use_reward_loop", False):  # awaited per sample (_maybe_score)
             from hybridflow.workers.reward_loop import RewardLoop
