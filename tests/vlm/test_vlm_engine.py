@@ -301,3 +301,46 @@ def test_a_two_turn_tool_conversation_carries_the_first_turns_images(vlm):
     assert turn2.argmax(-1).tolist() == conv.response_ids[second:]  # HF's greedy choice at every token
     chosen = turn2.gather(-1, torch.tensor(conv.response_ids[second:])[:, None])[:, 0]
     assert (chosen - torch.tensor(conv.log_probs[second:])).abs().max() < 1e-5
+
+
+def test_a_lora_actor_reaches_the_engine_merged_on_the_language_model_only(vlm):
+    """A LoRA actor (adapter on the language model's linears, as the trainer builds it for a
+    vision-language model) syncs into the engine with the adapter merged: the engine's greedy tokens on
+    an image prompt equal HF's with the adapter merged, and differ from the base model's."""
+    from omegaconf import OmegaConf
+
+    from hybridflow.workers.lora import apply_lora
+    from hybridflow.workers.model_builder import _lm_only_lora
+
+    model, tokenizer, dataset = vlm
+    ids, images = _image_prompts(model, tokenizer, dataset)[0]
+    lora = apply_lora(
+        copy.deepcopy(model),
+        _lm_only_lora(OmegaConf.create({"lora_rank": 4, "lora_alpha": 8, "target_modules": "all-linear"})),
+    )
+    with torch.no_grad():  # a trained adapter (peft starts B at 0)
+        for name, param in lora.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    assert not any("visual" in name and "lora_" in name for name, _ in lora.named_parameters())
+
+    def greedy(engine_model):
+        engine = LLMEngine(engine_model, 2, 64, [])
+        request = engine.add_request(ids, SamplingParams(max_new_tokens=8, do_sample=False), images=images)
+        while engine.has_unfinished():
+            engine.step()
+        return request.completions[0].token_ids
+
+    merged = copy.deepcopy(lora).merge_and_unload()
+    prompt = torch.tensor([ids])
+    hf = merged.generate(
+        input_ids=prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=8,
+        do_sample=False,
+        suppress_tokens=[model.config.image_token_id, model.config.video_token_id],
+        eos_token_id=None,
+        pad_token_id=0,
+        **_hf_inputs(model, ids, images, len(ids)),
+    )[0, len(ids) :].tolist()
+    assert greedy(EngineModel.from_hf_module(lora, 64)) == hf != greedy(EngineModel.from_hf_module(model, 64))
