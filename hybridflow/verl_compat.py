@@ -120,6 +120,7 @@ MODULE_TABLE: dict[str, str | tuple[str, ...]] = {
     "verl.experimental.reward_loop.reward_manager.naive": "hybridflow.workers.reward_loop.naive",
     "verl.experimental.reward_loop.reward_manager.dapo": "hybridflow.workers.reward_loop.dapo",
     "verl.experimental.reward_loop.reward_manager.limited": "hybridflow.workers.reward_loop.limited",
+    "verl.experimental.reward_loop.reward_manager.remote": "hybridflow.workers.reward_loop.remote",
 }
 
 # verl packages with no hybridflow module of their own: the alias gives an empty package, so that

@@ -86,6 +86,16 @@ def reward_loop_problems(config: DictConfig) -> list[str]:
         )
     if source == "importlib" and not (section.get("module") or {}).get("path"):
         problems.append("reward_manager.source=importlib needs reward_manager.module.path")
+    workers = rm.get("num_workers", 1)
+    if name != "remote" and workers != 1:
+        problems.append(
+            f"reward_model.num_workers={workers!r} is read by reward_manager=remote (its scoring processes); "
+            f"with {name} only 1 (the loop runs in the trainer's reward phase and the agent-loop workers)"
+        )
+    elif not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        problems.append(f"reward_model.num_workers={workers!r} must be an integer >= 1")
+    if name == "remote" and _get(config, "custom_reward_function.path"):
+        problems += _remote_problems(config)
     limited = name in ("limited", "rate_limited")
     changed = [k for k, default in LIMIT_DEFAULTS.items() if rm.get(k, default) != default]
     if changed and not limited and source == "register":
@@ -95,6 +105,23 @@ def reward_loop_problems(config: DictConfig) -> list[str]:
     if rm.get("enable", False):
         problems += served_rm_problems(config, rm)
     return problems
+
+
+def _remote_problems(config: DictConfig) -> list[str]:
+    """``remote`` runs sync reward functions in processes: an ``async def`` one is refused (verl's rule)."""
+    from hybridflow.workers.reward_loop.base import is_async_function
+    from hybridflow.workers.reward_manager.custom import _custom_compute_score
+
+    try:
+        function = _custom_compute_score(_get(config, "custom_reward_function"))
+    except Exception:  # a missing file or name: reported by the custom function's own check
+        return []
+    if function is not None and is_async_function(function):
+        return [
+            "reward_model.reward_manager=remote runs synchronous reward functions in worker processes; "
+            "custom_reward_function is async def: use reward_manager=naive or limited (verl's rule)"
+        ]
+    return []
 
 
 # reward_model.rollout keys served as they are (python -m hybridflow.serve flags) or accepted at these values
@@ -140,11 +167,6 @@ def served_rm_problems(config: DictConfig, rm: dict) -> list[str]:
         isinstance(fraction, int | float) and 0 < fraction <= 1
     ):
         problems.append(f"reward_model.rollout.gpu_memory_utilization={fraction!r} must be in (0, 1]")
-    if rm.get("num_workers", 1) != 1:
-        problems.append(
-            f"reward_model.num_workers={rm.get('num_workers')!r}: only 1 (the reward loop runs in the "
-            "trainer's reward phase and in the agent-loop workers, not in workers of its own)"
-        )
     path = os.path.expanduser(str((rm.get("model") or {}).get("path")))
     if not os.path.isdir(path):
         problems.append(
