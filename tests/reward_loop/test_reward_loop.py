@@ -239,3 +239,13 @@ def test_a_flaky_judge_is_retried_only_when_configured(tokenizer, scorers):
     metrics = on.pop_metrics()
     assert metrics["reward/retries"] == 1 and metrics["reward/failures/error"] == 0
     assert metrics["reward/judge_latency_p95_s"] >= metrics["reward/judge_latency_p50_s"] > 0
+
+
+def test_the_limited_manager_serves_two_loops_in_one_process(tokenizer, scorers):
+    """The trainer holds a training and a validation RewardLoop, each on its own event loop (and a second
+    run in the same process makes more): the shared limiters follow the loop that uses them."""
+    batch = make_batch(tokenizer, RESPONSES, TRUTHS)
+    cfg = config(scorers, "ascore", reward_manager="limited", max_concurrent=1)
+    first, second = RewardLoop(cfg, tokenizer), RewardLoop(cfg, tokenizer)
+    for loop in (first, second, first):
+        assert loop(batch).sum(-1).tolist() == [1, 0, 1, 0, 1, 1]

@@ -7,18 +7,20 @@ Three limits, shared by every instance in the process (class-level, as verl's):
 - ``reward_model.max_tpm`` with ``estimated_tokens_per_request`` (2000): tokens per minute, each request
   taking its estimate from a bucket of ``max_tpm / 60`` per s.
 
-The buckets are passed before the semaphore is taken. Each call is limited to ``reward_model.timeout``
-seconds (300). As verl: a timeout scores 0.0 with ``timeout=True`` and ``acc=0.0``, an exception 0.0 with
-``error=<message>``, and the batch goes on. Ours besides: ``reward_model.max_retries`` (default 0, verl's
-behaviour) re-runs a failed call that many times; the first failure of each kind is logged with the
-sample; :attr:`failures` counts failures by kind (``timeout``, ``error``) and :attr:`retries` the retries,
-which the reward loop reports as metrics.
+The buckets are passed before the semaphore is taken. They are per event loop: used from another loop
+(the validation RewardLoop's, a second run's) they are made anew for it. Each call is limited to
+``reward_model.timeout`` seconds (300). As verl: a timeout scores 0.0 with ``timeout=True`` and
+``acc=0.0``, an exception 0.0 with ``error=<message>``, and the batch goes on. Ours besides:
+``reward_model.max_retries`` (default 0, verl's behaviour) re-runs a failed call that many times; the
+first failure of each kind is logged with the sample; :attr:`failures` counts failures by kind
+(``timeout``, ``error``) and :attr:`retries` the retries, which the reward loop reports as metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections import Counter
 
 from hybridflow.protocol import DataProto
@@ -48,6 +50,7 @@ class RateLimitedRewardManager(RewardManagerBase):
     _max_tpm: float | None = None
     _estimated_tokens_per_request: int | None = None
     _class_initialized = False
+    _loop_ref = None  # weakref to the event loop the limiters belong to
     failures: Counter = Counter()  # class-level: kind -> samples scored 0 after failing
     retries: int = 0
     _logged_kinds: set = set()
@@ -88,6 +91,7 @@ class RateLimitedRewardManager(RewardManagerBase):
         """Forget the shared limiters (a new run in the same process, or a new event loop)."""
         cls._class_initialized = False
         cls._semaphore = cls._rpm_limiter = cls._tpm_limiter = None
+        cls._loop_ref = None
 
     def __init__(
         self,
@@ -109,7 +113,20 @@ class RateLimitedRewardManager(RewardManagerBase):
         self.timeout = float(cfg_get(rm, "timeout", 300.0) or 300.0)
         self.max_retries = int(cfg_get(rm, "max_retries", 0) or 0)
 
+    @classmethod
+    def _bind_to_running_loop(cls) -> None:
+        """asyncio's semaphore and locks belong to one event loop: used from another (the validation
+        RewardLoop's, or a second run's in the same process) the limiters are made anew for it."""
+        loop = asyncio.get_running_loop()
+        bound = cls._loop_ref() if cls._loop_ref is not None else None
+        if bound is not None and bound is not loop:
+            cls._semaphore = asyncio.Semaphore(cls._max_concurrent)
+            cls._rpm_limiter = AsyncTokenBucket(cls._max_rpm / 60.0) if cls._max_rpm is not None else None
+            cls._tpm_limiter = AsyncTokenBucket(cls._max_tpm / 60.0) if cls._max_tpm is not None else None
+        cls._loop_ref = weakref.ref(loop)
+
     async def _limited_call(self, sample):
+        self._bind_to_running_loop()
         if self._rpm_limiter is not None:
             await self._rpm_limiter.acquire(1.0)
         if self._tpm_limiter is not None:
