@@ -85,7 +85,11 @@ class AgentLoopManager:
             outputs = self._wait(refs, serve_refs)
         finally:
             served = self.stop_serving(serve_refs)
+        # each worker's reward-loop metrics and clock differ: set aside from the concat, merged in _metrics
+        own = [{k: out.meta_info.pop(k) for k in REWARD_META if k in out.meta_info} for out in outputs]
         output = concat_rows(outputs)
+        for out, kept in zip(outputs, own, strict=True):
+            out.meta_info.update(kept)
         output.meta_info["metrics"] = self._metrics(
             outputs, output, sync_metrics, served, time.perf_counter() - start
         )
@@ -248,6 +252,9 @@ class AgentLoopManager:
             for key, value in (rank_metrics or {}).items():
                 metrics.setdefault(key, []).append(value)
         return metrics
+
+
+REWARD_META = ("reward_metrics", "reward_clock")  # per worker (the reward loop's), merged by _metrics
 
 
 def _even_sizes(rows: int, parts: int) -> list[int]:
