@@ -46,6 +46,7 @@ def _config(model_dir, data, tmp: Path, name: str, standalone: bool):
             "trainer.total_training_steps": STEPS,
             "trainer.rollout_data_dir": str(tmp / "rollouts" / name),
             "actor_rollout_ref.rollout.mode": "async",
+            "actor_rollout_ref.rollout.agent.num_workers": 2,  # standalone: two workers' metrics merged
             "reward_model.use_reward_loop": True,
             "reward_model.enable": True,
             "reward_model.model.path": model_dir,
@@ -65,15 +66,15 @@ def _config(model_dir, data, tmp: Path, name: str, standalone: bool):
     return config
 
 
-def test_main_ppo_serves_the_judge_colocated_and_standalone(
-    ray_session, tiny_model_dir, arithmetic_data, tmp_path
-):
-    config = _config(tiny_model_dir, arithmetic_data, tmp_path, "wg", False)
+def _run_modes(modes, model_dir, data, tmp_path) -> tuple[dict, dict]:
+    """main_ppo once per mode on one set of worker groups: (metrics by step, sorted rollout rows) per mode;
+    each run's judge is checked stopped after it."""
+    config = _config(model_dir, data, tmp_path, "wg", False)
     groups = build_worker_groups(config, use_critic=False, use_reference=False)
     records, rollouts = {}, {}
     try:
-        for mode in ("colocated", "standalone"):
-            config = _config(tiny_model_dir, arithmetic_data, tmp_path, mode, mode == "standalone")
+        for mode in modes:
+            config = _config(model_dir, data, tmp_path, mode, mode == "standalone")
             with pytest.MonkeyPatch.context() as patch:
                 patch.chdir(tmp_path)
                 run_ppo(config, worker_groups=groups)
@@ -86,7 +87,6 @@ def test_main_ppo_serves_the_judge_colocated_and_standalone(
                 httpx.get(f"http://{address}/health", timeout=2)
     finally:
         groups.shutdown()
-    assert rollouts["colocated"] == rollouts["standalone"]  # same samples, same scores
     for mode, steps in records.items():
         assert sorted(steps) == list(range(1, STEPS + 1)), mode
         for step in steps.values():
@@ -95,6 +95,19 @@ def test_main_ppo_serves_the_judge_colocated_and_standalone(
             assert step["reward/exposed_s"] >= 0
             # colocated: woken for the reward phase, asleep after it (its KV cache released)
             assert (step.get("reward/judge_freed_kv_gb", 0) > 0) == (mode == "colocated"), (mode, step)
+    return records, rollouts
+
+
+def test_main_ppo_serves_the_judge_colocated(ray_session, tiny_model_dir, arithmetic_data, tmp_path):
+    _run_modes(["colocated"], tiny_model_dir, arithmetic_data, tmp_path)
+
+
+@pytest.mark.slow  # make test-slow: two whole runs compared (the fast tier trains the colocated one)
+def test_main_ppo_serves_the_judge_colocated_and_standalone(
+    ray_session, tiny_model_dir, arithmetic_data, tmp_path
+):
+    _, rollouts = _run_modes(["colocated", "standalone"], tiny_model_dir, arithmetic_data, tmp_path)
+    assert rollouts["colocated"] == rollouts["standalone"]  # same samples, same scores
 
 
 def test_fully_async_scores_in_the_rollouters_stream(
