@@ -40,7 +40,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 HERE = Path(__file__).resolve().parent
-VAL_KEY = "val-core/hybridflow/arithmetic/reward/mean@1"
+# greedy validation accuracy: the rule run's reward; the GenRM run's reward function returns a float, which
+# the reward loop also logs as the ``acc`` extra (the core metric then)
+VAL_KEYS = ("val-core/hybridflow/arithmetic/acc/mean@1", "val-core/hybridflow/arithmetic/reward/mean@1")
 PROJECT = "genrm_example"
 
 
@@ -273,9 +275,9 @@ def _curve(distill, run_dir: Path) -> list[tuple[float, float]]:
         for r in map(json.loads, (run_dir / "wall_clock.jsonl").read_text().splitlines())
     }
     return [
-        (round(clock.get(r["step"], 0.0), 1), float(r[VAL_KEY]))
+        (round(clock.get(r["step"], 0.0), 1), float(next(r[k] for k in VAL_KEYS if k in r)))
         for r in sorted(records, key=lambda r: r["step"])
-        if VAL_KEY in r
+        if any(k in r for k in VAL_KEYS)
     ]
 
 
