@@ -1,6 +1,6 @@
 """A GenRM recipe that learns: the quickstart policy trained by GRPO against a tiny LLM judge alone (CPU).
 
-``python examples/genrm/run.py [--out DIR] [--stage all|models|genrm|rule|summary]``
+``python examples/genrm/run.py [--out DIR] [--stage all|models|policy|judge|genrm|rule|summary]``
 
 1. ``models``: the quickstart's task (``a + b``, a two-digit ``a`` and a one-digit ``b``) and tiny
    Qwen2-shaped model (one tokenizer trained on the task's and the judge's texts), fine-tuned twice from
@@ -16,14 +16,15 @@
    serves the judge itself, colocated: the two cores are the trainer's, and a standalone judge would only
    compete with the rollout for them; colocated it sleeps through the rollout and the update) and
    ``custom_reward_function.path=examples/genrm/reward.py`` (the judge's verdict, never the ground
-   truth), for ``--minutes`` of wall clock; greedy validation every ``--test-freq`` steps is scored by
-   the **rule** (``val_kwargs``-free validation uses the task's exact-answer reward), so the curve is true
-   correctness;
+   truth, on training samples), for ``--minutes`` of wall clock; greedy validation every ``--test-freq``
+   steps on the held-out problems, which reward.py scores by the task's exact-answer **rule**, so the
+   curve is true correctness;
 3. ``rule``: the same run with the exact-answer rule reward, ``--rule-minutes`` of wall clock;
 4. ``summary``: one JSON line per run (greedy accuracy before / after, points gained, seconds) and
    ``genrm_vs_rule.png`` (greedy accuracy against the seconds since training began).
 
-Each stage is one heavy job (run them one at a time on a shared machine).
+``models`` = ``policy`` then ``judge`` (each its own stage too). Each stage is one heavy job (run them
+one at a time on a shared machine).
 """
 
 from __future__ import annotations
@@ -232,13 +233,12 @@ def rule(args, out: Path) -> None:
 
 def summary(out: Path) -> list[dict]:
     """One line per run (the distill example's curve and summary, this project's run names) and the plot."""
-    distill = _distill()
     lines = []
     for name in ("genrm", "rule"):
         run_dir = out / "outputs" / PROJECT / name
         if not (run_dir / "metrics.jsonl").exists():
             continue
-        points = _curve(distill, run_dir)
+        points = _curve(run_dir)
         if not points:
             continue
         lines.append(
@@ -268,7 +268,8 @@ def summary(out: Path) -> list[dict]:
     return lines
 
 
-def _curve(distill, run_dir: Path) -> list[tuple[float, float]]:
+def _curve(run_dir: Path) -> list[tuple[float, float]]:
+    """(seconds since the validation before training, greedy accuracy) at each validation."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     clock = {
         r["step"]: r["wall_s"]
