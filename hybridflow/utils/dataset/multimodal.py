@@ -122,6 +122,42 @@ class VisionProcessor:
         extra = sum(n - 1 for n in self.tokens_per_image(grids)) if images else 0
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + extra
 
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        tools=None,
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **kwargs,
+    ):
+        """``Qwen2_5_VLProcessor.apply_chat_template`` (text out): typed image items or ``<image>``
+        placeholders each become ``<|vision_start|><|image_pad|><|vision_end|>``, not yet expanded."""
+        text = self.tokenizer.apply_chat_template(
+            vision_messages(list(messages)),
+            tools=tools or None,
+            chat_template=self.chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **kwargs,
+        )
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if tokenize else text
+
+    def __call__(self, text, images=None, return_tensors: str = "pt", **ignored) -> dict:
+        """``Qwen2_5_VLProcessor(text=[...], images=[...])`` for one text: ``input_ids`` (1, L) with each
+        ``<|image_pad|>`` expanded, ``attention_mask``, ``pixel_values``, ``image_grid_thw``."""
+        texts = [text] if isinstance(text, str) else list(text)
+        if len(texts) != 1:
+            raise ValueError(f"the vision processor encodes one text per call, got {len(texts)}")
+        images = list(images or [])
+        check_placeholder_count(texts[0].count(IMAGE_PAD), len(images), "processor call")
+        out: dict[str, torch.Tensor] = {}
+        if images:
+            parts = [self._pixels(image.convert("RGB"), (None, None)) for image in images]
+            out = {k: torch.cat([p[k] for p in parts]) for k in ("pixel_values", "image_grid_thw")}
+            texts[0] = expand_image_tokens(texts[0], self.tokens_per_image(out["image_grid_thw"]))
+        ids = torch.tensor([self.tokenizer(texts[0], add_special_tokens=False)["input_ids"]])
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **out}
+
     def save_pretrained(self, directory: str) -> None:
         """Tokenizer, ``preprocessor_config.json`` and chat template: a checkpoint's ``huggingface/``."""
         self.tokenizer.save_pretrained(directory)

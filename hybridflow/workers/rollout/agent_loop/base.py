@@ -103,9 +103,27 @@ class AgentLoopBase(ABC):
         videos=None,
         remove_system_prompt: bool = False,
     ) -> list[int]:
-        """The prompt token ids of ``messages`` with the generation prompt (tokenised off the loop)."""
-        if images or videos:
-            raise ValueError("multi-modal prompts are not supported")
+        """The prompt token ids of ``messages`` with the generation prompt (tokenised off the loop);
+        with ``images`` (PIL), the processor's ids: each image's tokens expanded (verl's)."""
+        if videos:
+            raise ValueError("video prompts are not supported")
+        if images:
+            if self.processor is None:
+                raise ValueError("images given but the model has no image processor (a text-only model)")
+
+            def encode_images() -> list[int]:
+                text = self.processor.apply_chat_template(
+                    list(messages),
+                    tools=tools,
+                    add_generation_prompt=True,
+                    tokenize=False,
+                    **self.apply_chat_template_kwargs,
+                )
+                return self.processor(text=[text], images=images, return_tensors="pt")["input_ids"][
+                    0
+                ].tolist()
+
+            return await self.loop.run_in_executor(None, encode_images)
 
         def encode() -> list[int]:
             ids = self.tokenizer.apply_chat_template(

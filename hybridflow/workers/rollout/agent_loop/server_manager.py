@@ -18,6 +18,7 @@ from collections import OrderedDict
 from typing import Any
 
 from hybridflow.utils.rollout_trace import rollout_trace_op
+from hybridflow.workers.rollout.agent_loop.images import image_inputs, is_processed
 from hybridflow.workers.rollout.replica import ReplicaError, TokenOutput
 
 
@@ -32,6 +33,7 @@ class AsyncLLMServerManager:
         max_cache_size: int = 10000,
         names: list[str] | None = None,
         timeout_s: float | None = None,
+        processor=None,
     ) -> None:
         if not server_handles:
             raise ValueError("AsyncLLMServerManager needs at least one server")
@@ -39,6 +41,7 @@ class AsyncLLMServerManager:
         self.server_handles = list(server_handles)
         self.names = list(names or [f"replica {i}" for i in range(len(server_handles))])
         self.timeout_s = timeout_s
+        self.processor = processor  # the model's image processor (PIL image_data); None: text-only
         self.in_flight = [0] * len(server_handles)
         self.sent = [0] * len(server_handles)
         self.max_cache_size = int(max_cache_size)
@@ -66,7 +69,16 @@ class AsyncLLMServerManager:
         video_data=None,
     ) -> TokenOutput:
         """Generate from ``prompt_ids`` on the replica this ``request_id`` sticks to. ``image_data``: a
-        vision-language sample's ``multi_modal_inputs`` (:meth:`~.replica.LLMServer.generate`)."""
+        vision-language sample's ``multi_modal_inputs`` (:meth:`~.replica.LLMServer.generate`), or verl's
+        list of PIL images (or image dicts), processed here with the model's image processor
+        (:mod:`.images`)."""
+        if image_data is not None and not is_processed(image_data):
+            image_data = (
+                await asyncio.to_thread(
+                    image_inputs, self.processor, image_data, list(prompt_ids), request_id
+                )
+                or None
+            )
         index = self._choose_server(request_id)
         self.in_flight[index] += 1
         self.sent[index] += 1

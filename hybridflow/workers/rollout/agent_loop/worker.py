@@ -78,6 +78,7 @@ class AgentLoopWorker:
 
     def __init__(self, config, server_handles: list, server_names: list[str] | None = None) -> None:
         from hybridflow.models.loading import get_generation_eos_ids, load_tokenizer
+        from hybridflow.utils.dataset.multimodal import load_processor
         from hybridflow.workers.model_builder import resolve_local_path
 
         self.config: DictConfig = config if isinstance(config, DictConfig) else OmegaConf.create(config)
@@ -93,8 +94,13 @@ class AgentLoopWorker:
         self.eos_token_ids = get_generation_eos_ids(
             path, trust_remote_code=bool(model.get("trust_remote_code", False))
         )
+        self.processor = load_processor(path, self.tokenizer)  # None for a text-only model
         self.server_manager = AsyncLLMServerManager(
-            self.config, server_handles, names=server_names, timeout_s=agent.get("generate_timeout_s")
+            self.config,
+            server_handles,
+            names=server_names,
+            timeout_s=agent.get("generate_timeout_s"),
+            processor=self.processor,
         )
         load_agent_loop_configs(agent.get("agent_loop_config_path"))
         self.default_agent_loop = default_agent_loop(rollout)
@@ -247,7 +253,7 @@ class AgentLoopWorker:
                 trainer_config=DictConfigWrap(self.config),
                 server_manager=self.server_manager,
                 tokenizer=self.tokenizer,
-                processor=None,
+                processor=self.processor,
                 dataset_cls=None,
                 dataset_config=DictConfigWrap(self.config.data),
                 eos_token_ids=self.eos_token_ids,
