@@ -176,22 +176,12 @@ class LLMEngine:
         return request
 
     def _check_images(self, prompt_ids: list[int], images: dict | None, request_id) -> dict | None:
-        """``images`` (None for a text prompt) after checking that the prompt's image tokens are as many
-        as the images' features (else a ValueError naming the request)."""
+        """``images`` checked against the prompt's image tokens (``VisionTower.checked_images``)."""
         vision = self.model.vision
         name = f"request {request_id}: " if request_id else ""
         if images and vision is None:
             raise ValueError(f"{name}images given to a model without a vision tower")
-        if vision is None:
-            return None
-        tokens = sum(1 for t in prompt_ids if t == vision.image_token_id)
-        features = vision.image_tokens(images)
-        if tokens != features:
-            raise ValueError(
-                f"{name}the prompt has {tokens} image tokens but its images have {features} features "
-                "(image features and image tokens do not match)"
-            )
-        return images or None
+        return None if vision is None else vision.checked_images(prompt_ids, images, name)
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)

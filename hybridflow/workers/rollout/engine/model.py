@@ -253,7 +253,7 @@ class EngineModel:
                     "tower is not split): set rollout.tensor_model_parallel_size=1"
                 )
             self.vision = VisionTower(hf_config, dtype, self.device)
-            self.mrope_axes = mrope_axes(spec.mrope_section, spec.head_dim)
+            self.mrope_axes = mrope_axes(spec.mrope_section, spec.head_dim).to(self.device)
             ids = [self.vision.image_token_id, self.vision.video_token_id]
             self.suppressed = torch.tensor([int(i) for i in ids if i is not None], device=self.device)
         self.allocate()

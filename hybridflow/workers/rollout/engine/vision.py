@@ -104,6 +104,18 @@ class VisionTower:
             return 0
         return int((images["image_grid_thw"].prod(-1) // self.merge**2).sum())
 
+    def checked_images(self, prompt_ids: list[int], images: dict | None, name: str) -> dict | None:
+        """``images`` (None for a text prompt) after checking that the prompt's image tokens are as
+        many as the images' features (else a ValueError starting with ``name``, the request)."""
+        tokens = sum(1 for t in prompt_ids if t == self.image_token_id)
+        features = self.image_tokens(images)
+        if tokens != features:
+            raise ValueError(
+                f"{name}the prompt has {tokens} image tokens but its images have {features} features "
+                "(image features and image tokens do not match)"
+            )
+        return images or None
+
 
 def mrope_axes(section, head_dim: int) -> torch.Tensor:
     """(hd,) which position axis (0 temporal, 1 height, 2 width) each rotary dimension reads:
