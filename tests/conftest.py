@@ -11,6 +11,9 @@ os.environ.setdefault("HYBRIDFLOW_DEVICE", "cpu")
 
 import pytest  # noqa: E402
 
+# After each test file: no default process group or vLLM parallel state left for the next file (issue 43).
+from tests.isolation_guard import pytest_runtest_teardown  # noqa: E402, F401
+
 
 @pytest.fixture(scope="session")
 def ray_session():
@@ -97,8 +100,10 @@ def arithmetic_data(tmp_path_factory):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Say whether the vLLM tests ran or why they were skipped (never a silent skip)."""
-    import sys
+    """Say whether the vLLM tests ran or why they were skipped, with their count (never a silent skip).
+    Read from the test reports, so it works under pytest-xdist too (the controller imports no test)."""
+    from tests.vllm_support import vllm_summary_line
 
-    if "tests.vllm_support" in sys.modules:
-        terminalreporter.write_line(sys.modules["tests.vllm_support"].vllm_status_line())
+    line = vllm_summary_line(terminalreporter.stats)
+    if line:
+        terminalreporter.write_line(line, yellow="SKIPPED" in line, bold=True)

@@ -74,14 +74,18 @@ def run_generation(config: DictConfig) -> str:
     responses: list[list[str]] = []
     generated_tokens, start = 0, time.perf_counter()
     starts = range(0, len(prompts), batch_size)
-    for batch, first in enumerate(tqdm(starts, desc="generate", unit="batch")):
-        engine.reseed(generation_seed(int(rollout.seed), batch, 0))
-        with torch.no_grad():
-            results = engine.generate_batch(prompts[first : first + batch_size], params, n=n)
-        for result in results:
-            ids = [completion.token_ids for completion in result.completions]
-            generated_tokens += sum(len(t) for t in ids)
-            responses.append(tokenizer.batch_decode(ids, skip_special_tokens=True))
+    try:
+        for batch, first in enumerate(tqdm(starts, desc="generate", unit="batch")):
+            engine.reseed(generation_seed(int(rollout.seed), batch, 0))
+            with torch.no_grad():
+                results = engine.generate_batch(prompts[first : first + batch_size], params, n=n)
+            for result in results:
+                ids = [completion.token_ids for completion in result.completions]
+                generated_tokens += sum(len(t) for t in ids)
+                responses.append(tokenizer.batch_decode(ids, skip_special_tokens=True))
+    finally:
+        if hasattr(engine, "shutdown"):  # vLLM in this process: its process groups go with it
+            engine.shutdown()
     elapsed = time.perf_counter() - start
     out = write_responses(table, responses, os.path.expanduser(str(data.output_path)))
     print(

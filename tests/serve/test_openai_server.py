@@ -163,16 +163,16 @@ def test_thirty_two_concurrent_requests_share_the_engine(server):
 
 @pytest.fixture(scope="module")
 def vllm_server(tool_model):
-    from tests.vllm_support import VLLM_UNAVAILABLE
+    from tests.vllm_support import skip_if_vllm_unavailable
 
-    if VLLM_UNAVAILABLE is not None:
-        pytest.skip(f"vLLM: {VLLM_UNAVAILABLE}")
+    skip_if_vllm_unavailable()
     process, url = start_server(tool_model, "--backend", "vllm", "--max-model-len", "192", timeout_s=240)
     yield url, tool_model
     process.terminate()
     process.wait(timeout=60)
 
 
+@pytest.mark.vllm
 def test_the_vllm_backend_is_vllms_own_server_answering_alike(vllm_server):
     """``--backend vllm`` runs vLLM's OpenAI server on the same model: the client gets the same shapes,
     and the same 4xx answers to what both refuse."""

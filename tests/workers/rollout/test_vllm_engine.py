@@ -36,6 +36,7 @@ def engine(vllm_model_dir, hf_model):
     assert engine.tie_word_embeddings
     engine.load_weights(_weights(hf_model))
     yield engine
+    engine.shutdown()  # vLLM's process group and parallel state go with it (tests/isolation_guard.py)
 
 
 def _weights(model) -> list[tuple[str, torch.Tensor]]:

