@@ -92,6 +92,7 @@ MODULE_TABLE: dict[str, str | tuple[str, ...]] = {
     "verl.workers": "hybridflow.workers",
     "verl.workers.reward_manager": "hybridflow.workers.reward_manager",
     "verl.workers.reward_manager.registry": "hybridflow.workers.reward_manager.registry",
+    "verl.workers.reward_manager.abstract": "hybridflow.workers.reward_manager.abstract",
     "verl.workers.reward_manager.naive": "hybridflow.workers.reward_manager.naive",
     "verl.workers.reward_manager.batch": "hybridflow.workers.reward_manager.batch",
     "verl.workers.reward_manager.dapo": "hybridflow.workers.reward_manager.dapo",

@@ -20,7 +20,8 @@ async def compute_score(data_source, solution_str, ground_truth, extra_info, **k
     problem (rebuilt from ``extra_info``'s ``a``, ``op``, ``b``, as the task's rows carry them) and the
     policy's answer as written (its first 12 characters), and replies with the sum it works out and its
     verdict (:mod:`hybridflow.tasks.arithmetic_judge`). ``kwargs``: ``reward_router_address``
-    (``host:port``) and ``judge_model`` (the served name, ``reward_model.reward_kwargs.judge_model``).
+    (``host:port``) and ``judge_model`` (the served name,
+    ``custom_reward_function.reward_kwargs.judge_model``).
 
     A held-out sample (``extra_info["split"] == "test"``, validation only, never trained on): the rule's
     score, the measurement of the recipe (module docstring).

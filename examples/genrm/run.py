@@ -220,7 +220,7 @@ def genrm(args, out: Path) -> None:
             "reward_model.rollout.prompt_length=64",
             "reward_model.rollout.response_length=8",
             "reward_model.reward_manager=naive",
-            f"+reward_model.reward_kwargs.judge_model={judge}",
+            f"+custom_reward_function.reward_kwargs.judge_model={judge}",
             f"custom_reward_function.path={HERE / 'reward.py'}",
             "custom_reward_function.name=compute_score",
         ],

@@ -214,6 +214,8 @@ def build_trainer(config: DictConfig, worker_groups=None, judge=None):
             tokenizer,
             num_examine=0,
             max_resp_len=max_resp_len,
+            reward_fn_key=str(config.data.reward_fn_key),
+            manager_section=config.get("reward_manager"),
         )
         val_reward_fn = build_reward_manager(
             config.reward_model,
@@ -221,6 +223,8 @@ def build_trainer(config: DictConfig, worker_groups=None, judge=None):
             tokenizer,
             num_examine=1,
             max_resp_len=max_resp_len,
+            reward_fn_key=str(config.data.reward_fn_key),
+            manager_section=config.get("reward_manager"),
         )
     tracker = Tracking(
         project_name=config.trainer.project_name,

@@ -29,8 +29,12 @@ def test_a_genrm_scores_through_the_router(tiny_model_dir, genrm):
     batch = make_batch(tokenizer, responses, truths)
     config = OmegaConf.create(
         {
-            "reward_model": {"reward_manager": "naive", "reward_kwargs": {"judge_model": "judge"}},
-            "custom_reward_function": {"path": JUDGE, "name": "compute_score"},
+            "reward_model": {"reward_manager": "naive", "reward_kwargs": {}},
+            "custom_reward_function": {
+                "path": JUDGE,
+                "name": "compute_score",
+                "reward_kwargs": {"judge_model": "judge"},  # verl: the function's own arguments
+            },
         }
     )
     before = httpx.get(f"http://{genrm.address}/router/stats").json()["sent"]

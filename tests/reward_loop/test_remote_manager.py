@@ -27,6 +27,8 @@ import time
 def score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     if solution_str == "hang":
         time.sleep(60)
+    if solution_str.startswith("slow"):
+        time.sleep(0.6)
     words = solution_str.strip().split()
     return {"score": float(words[-1:] == [ground_truth]), "pid": os.getpid()}
 
@@ -53,7 +55,7 @@ def _config(scorers, manager="remote", name="score", **reward_model):
             "reward_model": {
                 "reward_manager": manager,
                 "reward_kwargs": {},
-                "num_workers": 2,
+                "num_workers": reward_model.pop("num_workers", 2),
                 **reward_model,
             },
             "custom_reward_function": {"path": scorers, "name": name},
@@ -95,3 +97,19 @@ def test_an_async_scorer_is_refused(scorers, tokenizer):
     assert not any(
         "num_workers" in p for p in honesty_problems(load_config([*overrides, "reward_model.num_workers=3"]))
     )
+
+
+def test_a_call_waiting_for_the_process_is_not_timed_out(ray_session, tokenizer, scorers):
+    """One process, five 0.6 s calls, a 1.5 s limit: each call's limit starts when the process takes it.
+    Before, all five were submitted at once and timed from then: the third (1.8 s) timed out, its process
+    was killed, and the two queued behind it failed with it."""
+    batch = make_batch(tokenizer, [f"slow {i}" for i in range(5)], [str(i) for i in range(5)])
+    loop = RewardLoop(_config(scorers, num_workers=1, score_timeout_s=1.5, on_score_error="zero"), tokenizer)
+    import time
+
+    start = time.perf_counter()
+    out = loop(batch, return_dict=True)
+    assert time.perf_counter() - start >= 5 * 0.6  # one process: the calls ran one after another
+    assert out["reward_tensor"].sum(-1).tolist() == [1.0] * 5
+    assert not any(out["reward_extra_info"].get("timed_out", [0] * 5))
+    assert len(set(out["reward_extra_info"]["pid"])) == 1  # never killed and replaced

@@ -133,9 +133,8 @@ def test_verl_top_level_reward_manager_section(tmp_path):
         "from hybridflow.workers.reward_loop import NaiveRewardManager\n"
         "class Mine(NaiveRewardManager):\n    pass\n"
     )
-    cls = manager_class(
-        {"reward_manager": {"source": "importlib", "module": {"path": str(module), "name": "Mine"}}}
-    )
+    section = {"source": "importlib", "name": "Mine", "module": {"path": str(module), "name": "mine_module"}}
+    cls = manager_class({"reward_manager": section})  # verl's: the class is name, module.name the module's
     assert cls.__name__ == "Mine"
     with pytest.raises(KeyError, match="Registered:.*rate_limited"):
         manager_class({"reward_model": {"reward_manager": "nope"}})

@@ -56,7 +56,8 @@ def _config(model_dir, data, tmp: Path, name: str, standalone: bool):
             "reward_model.rollout.response_length": 8,
             "reward_model.reward_manager": "limited",
             "reward_model.max_concurrent": 4,
-            "+reward_model.reward_kwargs.judge_model": model_dir,  # verl's served name: the model's path
+            # verl's served name: the model's path
+            "+custom_reward_function.reward_kwargs.judge_model": model_dir,
             "custom_reward_function.path": JUDGE,
             **(pool if standalone else {}),
         },
@@ -136,7 +137,7 @@ def test_fully_async_scores_in_the_rollouters_stream(
             "reward_model.reward_manager": "limited",
             "reward_model.max_concurrent": 4,
             "+reward_model.reward_kwargs.reward_router_address": judge.removeprefix("http://"),
-            "+reward_model.reward_kwargs.judge_model": "judge",
+            "+custom_reward_function.reward_kwargs.judge_model": "judge",
             "custom_reward_function.path": JUDGE,
         },
     )

@@ -27,7 +27,8 @@ def test_the_defaults_and_the_limited_manager_in_the_loop_are_accepted():
     [
         (["reward_model.max_concurrent=4"], "set reward_model.use_reward_loop=true"),
         (["reward_model.reward_manager=limited"], "scores in the reward loop"),
-        (["reward_manager.source=importlib"], "read by the reward loop"),
+        (["reward_model.reward_loop_source=importlib"], "read by the reward loop"),
+        (["reward_manager.source=importlib"], "needs reward_manager.module.path"),
         (
             ["reward_model.use_reward_loop=true", "reward_model.reward_manager=prime"],
             "not a reward-loop manager",

@@ -447,6 +447,10 @@ def _reward_kwargs_problems(config: DictConfig) -> list[str]:
 
     kwargs = _value(config, "reward_model.reward_kwargs") or {}
     manager = config.reward_model.reward_manager
+    if config.reward_model.get("use_reward_loop", False):  # the loop's own rule (reward_loop_honesty)
+        return []
+    if _value(config, "reward_manager.source") == "importlib":  # a user's class reads its own kwargs
+        return []
     if not kwargs or config.custom_reward_function.path or manager not in REWARD_MANAGERS:
         return []
     own = _constructor_params(REWARD_MANAGERS.get(manager))

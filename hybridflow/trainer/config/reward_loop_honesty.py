@@ -57,6 +57,11 @@ def reward_loop_problems(config: DictConfig) -> list[str]:
     problems = _limit_problems(rm)
     if source not in ("register", "importlib"):
         problems.append(f"reward_manager.source={source!r}: choose register or importlib")
+    if source == "importlib" and not (section.get("module") or {}).get("path"):
+        problems.append(
+            "reward_manager.source=importlib needs reward_manager.module.path (the file; the class is "
+            "reward_manager.name, as in verl's load_reward_manager)"
+        )
     if not rm.get("use_reward_loop", False):
         changed = [k for k, default in LIMIT_DEFAULTS.items() if rm.get(k, default) != default]
         if changed:
@@ -64,9 +69,10 @@ def reward_loop_problems(config: DictConfig) -> list[str]:
                 f"reward_model.{', '.join(changed)} are read by the reward loop's limited manager: set "
                 "reward_model.use_reward_loop=true and reward_model.reward_manager=limited"
             )
-        if source != "register":
+        if rm.get("reward_loop_source", "register") != "register":
             problems.append(
-                "reward_manager.source=importlib is read by the reward loop: set use_reward_loop=true"
+                "reward_model.reward_loop_source=importlib is read by the reward loop: set "
+                "reward_model.use_reward_loop=true (or reward_manager.source=importlib for a batch manager)"
             )
         if rm.get("enable_resource_pool", False):
             problems.append(
@@ -79,13 +85,20 @@ def reward_loop_problems(config: DictConfig) -> list[str]:
                 "reward_model.use_reward_loop=true"
             )
         return problems
-    if source == "register" and name not in REWARD_LOOP_MANAGERS:
+    loop_source = rm.get("reward_loop_source", "register")
+    if source == "register" and loop_source == "register" and name not in REWARD_LOOP_MANAGERS:
         problems.append(
             f"reward_model.reward_manager={name!r} is not a reward-loop manager (registered: "
             f"{', '.join(sorted(REWARD_LOOP_MANAGERS))}); set use_reward_loop=false for the batch managers"
         )
-    if source == "importlib" and not (section.get("module") or {}).get("path"):
-        problems.append("reward_manager.source=importlib needs reward_manager.module.path")
+    problems += _loop_manager_problems(rm)
+    if rm.get("batch_timeout_s", 1800) != 1800:
+        problems.append(
+            "reward_model.batch_timeout_s is read by the batch managers only: the reward loop limits each "
+            "call (score_timeout_s; limited: timeout)"
+        )
+    if loop_source == "register" and source == "register":
+        problems += _loop_reward_kwargs_problems(rm, name)
     workers = rm.get("num_workers", 1)
     if name != "remote" and workers != 1:
         problems.append(
@@ -98,13 +111,52 @@ def reward_loop_problems(config: DictConfig) -> list[str]:
         problems += _remote_problems(config)
     limited = name in ("limited", "rate_limited")
     changed = [k for k, default in LIMIT_DEFAULTS.items() if rm.get(k, default) != default]
-    if changed and not limited and source == "register":
+    if changed and not limited and source == "register" and loop_source == "register":
         problems.append(
             f"reward_model.{', '.join(changed)} are read only by reward_manager=limited (this run's: {name})"
         )
     if rm.get("enable", False):
         problems += served_rm_problems(config, rm)
     return problems
+
+
+# reward_model.reward_kwargs that the reward loop reads: the served judge's address (main_ppo writes it),
+# and what each registered manager reads itself (verl's reward loop passes none of them to compute_score)
+LOOP_REWARD_KWARGS = ("reward_router_address",)
+
+
+def loop_manager_reward_kwargs(name: str) -> tuple[str, ...]:
+    """The ``reward_model.reward_kwargs`` keys the registered reward-loop manager ``name`` reads."""
+    from hybridflow.workers.reward_manager.dapo import DAPO_REWARD_KWARGS
+
+    return LOOP_REWARD_KWARGS + (DAPO_REWARD_KWARGS if name == "dapo" else ())
+
+
+def _loop_reward_kwargs_problems(rm: dict, name: str) -> list[str]:
+    read = loop_manager_reward_kwargs(name)
+    unread = [k for k in rm.get("reward_kwargs") or {} if k not in read]
+    if not unread:
+        return []
+    return [
+        f"reward_model.reward_kwargs.{', '.join(unread)}: the reward loop's {name} manager passes "
+        "reward_model.reward_kwargs to no reward function (verl's reward loop; it reads "
+        f"{', '.join(read)}): give a function's own arguments as custom_reward_function.reward_kwargs.<key>"
+    ]
+
+
+def _loop_manager_problems(rm: dict) -> list[str]:
+    source = rm.get("reward_loop_source", "register")
+    if source not in ("register", "importlib"):
+        return [f"reward_model.reward_loop_source={source!r}: choose register or importlib"]
+    if source == "register":
+        return []
+    missing = [k for k in ("reward_loop_module_path", "reward_loop_class_name") if not rm.get(k)]
+    if missing:
+        return [f"reward_model.reward_loop_source=importlib needs reward_model.{' and '.join(missing)}"]
+    path = os.path.expanduser(str(rm["reward_loop_module_path"]))
+    if not os.path.isfile(path):
+        return [f"reward_model.reward_loop_module_path={path!r}: no such file"]
+    return []
 
 
 def _remote_problems(config: DictConfig) -> list[str]:

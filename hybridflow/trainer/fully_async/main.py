@@ -170,7 +170,15 @@ def build(config: DictConfig, view: DictConfig, groups, rollout_group):
         reward = [RewardLoop(view, tokenizer), RewardLoop(view, tokenizer)]
     else:
         reward = [
-            build_reward_manager(view.reward_model, view.custom_reward_function, tokenizer, k, max_length)
+            build_reward_manager(
+                view.reward_model,
+                view.custom_reward_function,
+                tokenizer,
+                k,
+                max_length,
+                reward_fn_key=str(view.data.get("reward_fn_key", "data_source")),
+                manager_section=view.get("reward_manager"),
+            )
             for k in (0, 1)  # training (no examples printed), validation (one)
         ]
     rollout_group.init_model()  # waits for the rollout processes

@@ -16,7 +16,9 @@ The reward function is verl's ``compute_score(data_source, solution_str, ground_
 
 When a served reward model is configured (``reward_router_address`` is not None) the function also gets
 ``reward_router_address`` (``host:port`` of the router) and ``reward_model_tokenizer``, as in verl.
-``reward_model.reward_kwargs`` reach every call.
+``reward_model.reward_kwargs`` reach no call, as in verl's reward loop (a scorer's own arguments go in
+``custom_reward_function.reward_kwargs``); the ``dapo`` manager reads its keys there and passes
+``strict_box_verify`` as verl's does.
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ class RewardManagerBase(ABC):
             "score_timeout_s", cfg_get(rm, "score_timeout_s", DEFAULT_SCORE_TIMEOUT_S)
         )
         self.on_score_error = check_on_score_error(cfg_get(rm, "on_score_error", "raise") or "raise")
-        self.score_kwargs = dict(cfg_get(rm, "reward_kwargs") or {})
+        self.score_kwargs: dict = {}  # what this manager adds to each call (dapo: strict_box_verify)
         self.init_class(config, tokenizer)
 
     @classmethod

@@ -1,8 +1,10 @@
 """The reward loop: each sample scored on its own, as soon as it is handed in, many at once.
 
 :class:`RewardLoop` wraps a reward-loop manager (``reward_model.reward_manager``, or verl's top-level
-``reward_manager`` section: ``source=register`` by ``name``, or ``source=importlib`` from
-``module.path``/``module.name``) and the reward sources behind it:
+``reward_manager`` section: ``source=register`` by ``name``, or ``source=importlib``, the class ``name``
+from the file ``module.path``; or verl's reward-loop keys ``reward_model.reward_loop_source=importlib``
+with ``reward_loop_module_path``/``reward_loop_class_name``: :func:`manager_class`) and the reward
+sources behind it:
 
 - ``custom_reward_function`` (sync or ``async def``; rule, GenRM through ``reward_router_address``, or a
   hybrid) — it takes precedence over a DisRM, as in verl's ``RewardLoopWorker``;
@@ -30,7 +32,6 @@ the judge's sleep released: its KV tensors, and its processes' resident set).
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import threading
 import time
@@ -48,28 +49,36 @@ from hybridflow.workers.reward_manager.naive import score_positions
 
 
 def manager_class(config) -> type:
-    """The manager class the config names: verl's top-level ``reward_manager`` section when present
-    (``source: register | importlib``), else ``reward_model.reward_manager`` (default ``naive``)."""
+    """The manager class the config names, in verl's order:
+
+    - ``reward_model.reward_loop_source: importlib`` (verl's reward loop): the class
+      ``reward_model.reward_loop_class_name`` from the file ``reward_model.reward_loop_module_path``;
+    - verl's top-level ``reward_manager`` section at ``source: importlib``: the class ``reward_manager.name``
+      from ``reward_manager.module.path`` (verl's ``load_reward_manager``);
+    - otherwise the registered manager ``reward_manager.name`` / ``reward_model.reward_manager``
+      (default ``naive``)."""
+    from hybridflow.workers.reward_manager.custom import imported_manager_class, load_class_from_file
+
+    rm = cfg_get(config, "reward_model") or {}
+    loop_source = cfg_get(rm, "reward_loop_source", "register") or "register"
+    if loop_source == "importlib":
+        path, name = cfg_get(rm, "reward_loop_module_path"), cfg_get(rm, "reward_loop_class_name")
+        if not path:
+            raise ValueError(
+                "reward_model.reward_loop_source=importlib needs reward_model.reward_loop_module_path"
+            )
+        return load_class_from_file(path, name, "reward_model.reward_loop_class_name")
+    if loop_source != "register":
+        raise ValueError(f"reward_model.reward_loop_source={loop_source!r}: choose register or importlib")
     section = cfg_get(config, "reward_manager")
-    rm_name = cfg_get(cfg_get(config, "reward_model"), "reward_manager", "naive") or "naive"
+    rm_name = cfg_get(rm, "reward_manager", "naive") or "naive"
     if section is None or isinstance(section, str):
         return get_reward_manager_cls(section or rm_name)
     source = cfg_get(section, "source", "register")
     if source == "register":
         return get_reward_manager_cls(cfg_get(section, "name") or rm_name)
     if source == "importlib":
-        module = cfg_get(section, "module") or {}
-        path, name = cfg_get(module, "path"), cfg_get(module, "name", "custom_reward_manager")
-        if not path:
-            raise ValueError("reward_manager.source=importlib needs reward_manager.module.path")
-        spec = importlib.util.spec_from_file_location(f"hybridflow_reward_manager_{abs(hash(path))}", path)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"reward_manager.module.path: cannot import {path}")
-        loaded = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(loaded)
-        if not hasattr(loaded, name):
-            raise AttributeError(f"reward_manager.module: {path} has no class {name!r}")
-        return getattr(loaded, name)
+        return imported_manager_class(section)
     raise ValueError(f"reward_manager.source={source!r}; choose register or importlib")
 
 

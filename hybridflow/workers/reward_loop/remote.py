@@ -2,10 +2,13 @@
 process (verl's ``RewardComputeWorker``): a scorer that holds the GIL (math-verify, a sympy check) or is
 not thread-safe runs beside the others instead of in the loop's threads.
 
-- ``reward_model.num_workers`` processes per manager (verl's key), used in turn (round robin, verl's);
-  a process scores one call at a time, so a call queued behind a hung one shares its timeout;
-- each call limited to ``reward_model.score_timeout_s`` (a process's start is not counted): a worker past
-  it is killed (a process, unlike a thread, can be) and replaced, and the sample's outcome is a timeout;
+- ``reward_model.num_workers`` processes per manager (verl's key); a process scores one call at a time,
+  and a call waits here, not in Ray's queue, until one is free (the first free one takes it);
+- each call limited to ``reward_model.score_timeout_s`` from the moment a process takes it: neither the
+  wait for a free process nor a process's start is counted (verl's own manager has no limit at all; with
+  the limit started at submission, the 300th of 512 one-second samples on one process timed out). A
+  process past the limit is killed (a process, unlike a thread, can be) and replaced, and the sample's
+  outcome is a timeout; no other call was queued on it, so none fails with it;
 - outcomes as ``naive``'s (:func:`~.naive.resolve_one`): a float is the score and ``acc``, a dict gives
   ``score`` and extras; a failure raises naming the sample, or with ``on_score_error=zero`` scores 0;
 - ``async def`` reward functions are refused (verl asserts the same): they belong on the loop
@@ -18,7 +21,6 @@ on a small machine the trainer's workers hold the logical CPUs.
 from __future__ import annotations
 
 import asyncio
-import itertools
 
 from hybridflow.protocol import DataProto
 from hybridflow.workers.reward_loop.base import RewardManagerBase
@@ -63,7 +65,8 @@ class RemoteRewardManager(RewardManagerBase):
         self.num_workers = int(cfg_get(cfg_get(config, "reward_model") or {}, "num_workers", 1) or 1)
         self.workers = [self._new_worker() for _ in range(self.num_workers)]
         self._started = [False] * self.num_workers  # a process's start is not counted in a call's limit
-        self._turn = itertools.cycle(range(self.num_workers))
+        self._free: asyncio.Queue | None = None  # indices of the idle processes, on the loop that uses them
+        self._free_loop: asyncio.AbstractEventLoop | None = None
         self.pids: set[int] = set()  # the processes that scored (what a test checks)
 
     def _new_worker(self):
@@ -72,7 +75,23 @@ class RemoteRewardManager(RewardManagerBase):
         actor = ray.remote(num_cpus=0)(RewardComputeWorker)
         return actor.remote(self.compute_score)
 
-    async def _call(self, index: int, kwargs: dict) -> ScoreOutcome:
+    async def _take_worker(self) -> int:
+        """The index of an idle process, waiting for one (the queue follows the event loop using it)."""
+        loop = asyncio.get_running_loop()
+        if self._free is None or self._free_loop is not loop:
+            self._free, self._free_loop = asyncio.Queue(), loop
+            for index in range(self.num_workers):
+                self._free.put_nowait(index)
+        return await self._free.get()
+
+    async def _call(self, kwargs: dict) -> ScoreOutcome:
+        index = await self._take_worker()
+        try:
+            return await self._call_on(index, kwargs)
+        finally:
+            self._free.put_nowait(index)
+
+    async def _call_on(self, index: int, kwargs: dict) -> ScoreOutcome:
         import ray
 
         if not self._started[index]:
@@ -110,6 +129,6 @@ class RemoteRewardManager(RewardManagerBase):
             "extra_info": sample.extra_info,
             **self.score_kwargs_for_call(),
         }
-        outcome = await self._call(next(self._turn), kwargs)
+        outcome = await self._call(kwargs)
         score, extras = resolve_one(sample, outcome, self.on_score_error)
         return {"reward_score": score, "reward_extra_info": extras}

@@ -24,20 +24,25 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.workers.reward_manager.dapo import cfg_get as _get
+from hybridflow.workers.reward_manager.dapo import overlong_settings
 from hybridflow.workers.reward_manager.naive import DEFAULT_BATCH_TIMEOUT_S, DEFAULT_SCORE_TIMEOUT_S
 from hybridflow.workers.reward_manager.registry import get_reward_manager_cls
 
 
-def _import_file(file: Path):
-    """The module of ``file``, imported once per process under a stable name derived from its path
-    (importing it again for the validation manager would make the training manager's function "not
-    the same object" as the module's, and unpicklable)."""
-    module_name = f"hybridflow_custom_reward_{file.stem}_{hashlib.sha1(str(file).encode()).hexdigest()[:8]}"
+def _import_file(file: Path, module_name: str | None = None):
+    """The module of ``file``, imported once per process under a stable name derived from its path, or
+    under ``module_name`` (importing it again for the validation manager would make the training
+    manager's function "not the same object" as the module's, and unpicklable)."""
+    digest = hashlib.sha1(str(file).encode()).hexdigest()[:8]
+    module_name = module_name or f"hybridflow_custom_reward_{file.stem}_{digest}"
+    loaded = sys.modules.get(module_name)
+    if loaded is not None and getattr(loaded, "__file__", None) not in (None, str(file)):
+        module_name = f"{module_name}_{digest}"  # the name is another file's: keep both
     if module_name in sys.modules:
         return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, file)
     if spec is None or spec.loader is None:
-        raise ImportError(f"custom_reward_function.path: cannot import {file} as a Python module")
+        raise ImportError(f"cannot import {file} as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
@@ -115,26 +120,68 @@ def build_reward_manager(
     tokenizer,
     num_examine: int,
     max_resp_len: int | None = None,
+    reward_fn_key: str = "data_source",
+    manager_section: Any = None,
 ):
-    """Instantiate ``reward_model.reward_manager`` (default ``naive``) with the custom scorer, if any.
+    """Instantiate ``reward_model.reward_manager`` (default ``naive``) with the custom scorer, if any; or,
+    with verl's top-level ``manager_section`` (``reward_manager``) at ``source: importlib``, the class it
+    names, with verl's arguments (``tokenizer``, ``num_examine``, ``compute_score``, ``reward_fn_key``,
+    ``**reward_kwargs``).
 
-    ``max_resp_len`` and ``overlong_buffer`` reach managers whose constructor declares
-    ``max_resp_len``/``overlong_buffer_cfg``; an enabled ``overlong_buffer`` for a manager without
-    them is an error rather than silently ignored.
+    DAPO's overlong settings (:func:`~.dapo.overlong_settings`: verl's ``reward_kwargs.overlong_buffer_cfg``
+    and ``max_resp_len``, else ``reward_model.overlong_buffer`` with ``max_resp_len``, the caller's
+    ``data.max_response_length``) reach managers whose constructor declares ``overlong_buffer_cfg``; an
+    enabled penalty for a manager without it is an error rather than silently ignored.
     """
-    cls = get_reward_manager_cls(_get(reward_model_cfg, "reward_manager", "naive") or "naive")
+    imported = _get(manager_section, "source", "register") == "importlib"
+    if imported:
+        cls = imported_manager_class(manager_section)
+    else:
+        cls = get_reward_manager_cls(_get(reward_model_cfg, "reward_manager", "naive") or "naive")
     kwargs = dict(_get(reward_model_cfg, "reward_kwargs") or {})
     kwargs["on_score_error"] = _get(reward_model_cfg, "on_score_error", "raise") or "raise"
     limits = {"score_timeout_s": DEFAULT_SCORE_TIMEOUT_S, "batch_timeout_s": DEFAULT_BATCH_TIMEOUT_S}
     for key, default in limits.items():
         kwargs[key] = _get(reward_model_cfg, key, default)  # null in the config: no limit
-    overlong = _get(reward_model_cfg, "overlong_buffer")
+    overlong, max_resp_len = overlong_settings(reward_model_cfg, max_resp_len)
     accepted = inspect.signature(cls).parameters
     if "overlong_buffer_cfg" in accepted:
         kwargs.update(overlong_buffer_cfg=overlong, max_resp_len=max_resp_len)
     elif _get(overlong, "enable", False):
         raise ValueError(
-            f"reward_model.overlong_buffer.enable is set but reward manager {cls.__name__} ignores it; "
+            f"DAPO's overlong penalty is enabled but reward manager {cls.__name__} ignores it; "
             "use reward_model.reward_manager=dapo"
         )
+    kwargs["reward_fn_key"] = reward_fn_key
+    if imported:  # a class written for verl: verl's arguments, and ours only where it names them
+        kwargs = {k: v for k, v in kwargs.items() if k in accepted or k not in HYBRIDFLOW_MANAGER_KWARGS}
     return cls(tokenizer, num_examine, compute_score=_custom_compute_score(custom_reward_cfg), **kwargs)
+
+
+HYBRIDFLOW_MANAGER_KWARGS = ("on_score_error", "score_timeout_s", "batch_timeout_s")
+
+
+def imported_manager_class(section: Any, where: str = "reward_manager") -> type:
+    """verl's ``reward_manager.source=importlib``: the class ``reward_manager.name`` from the file
+    ``reward_manager.module.path``, imported as the module ``reward_manager.module.name`` (verl's
+    ``load_reward_manager``; the class name is ``name``, not ``module.name``)."""
+    module = _get(section, "module") or {}
+    path, class_name = _get(module, "path"), _get(section, "name")
+    if not path:
+        raise ValueError(f"{where}.source=importlib needs {where}.module.path (the file holding the class)")
+    return load_class_from_file(path, class_name, f"{where}.name", _get(module, "name"))
+
+
+def load_class_from_file(path: str, class_name: str | None, key: str, module_name: str | None = None) -> type:
+    """The class ``class_name`` of the Python file ``path`` (verl's ``load_extern_object``), its module
+    imported once per process; errors name the key to fix."""
+    file = Path(str(path)).expanduser().resolve()
+    if not file.is_file():
+        raise FileNotFoundError(f"{key}: the module file {str(path)!r} does not exist")
+    if not class_name:
+        raise ValueError(f"{key}: name the reward manager class to load from {file}")
+    loaded = _import_file(file, module_name)
+    if not hasattr(loaded, str(class_name)):
+        classes = sorted(k for k, v in vars(loaded).items() if isinstance(v, type) and not k.startswith("_"))
+        raise AttributeError(f"{key}: {file} has no class {class_name!r} (classes there: {classes})")
+    return getattr(loaded, str(class_name))

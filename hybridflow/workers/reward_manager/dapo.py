@@ -35,6 +35,39 @@ def overlong_penalty(length: int, max_resp_len: int, buffer_len: int, penalty_fa
     return min(-exceed / buffer_len * penalty_factor, 0.0)
 
 
+def overlong_settings(reward_model_cfg: Any, data_max_response_length: int | None) -> tuple[Any, int | None]:
+    """``(overlong_buffer_cfg, max_resp_len)`` as verl's DAPO recipe sets them, for both DAPO managers:
+    ``reward_model.reward_kwargs.overlong_buffer_cfg`` and ``reward_kwargs.max_resp_len`` (verl's reward
+    loop and its recipe's command line); else verl's older ``reward_model.overlong_buffer`` with
+    ``data.max_response_length``. Both sources enabled at once is refused (one would be ignored)."""
+    kwargs = cfg_get(reward_model_cfg, "reward_kwargs") or {}
+    legacy = cfg_get(reward_model_cfg, "overlong_buffer")
+    cfg = cfg_get(kwargs, "overlong_buffer_cfg")
+    if cfg is None:
+        return legacy, data_max_response_length
+    if cfg_get(legacy, "enable", False):
+        raise ValueError(
+            "reward_model.reward_kwargs.overlong_buffer_cfg and reward_model.overlong_buffer.enable=true "
+            "both configure DAPO's overlong penalty: keep one (verl's recipe sets "
+            "reward_kwargs.overlong_buffer_cfg with reward_kwargs.max_resp_len)"
+        )
+    max_resp_len = cfg_get(kwargs, "max_resp_len")
+    if max_resp_len is None and cfg_get(cfg, "enable", False):
+        raise ValueError(
+            "reward_model.reward_kwargs.overlong_buffer_cfg needs reward_model.reward_kwargs.max_resp_len "
+            "(verl asserts the same): set it to data.max_response_length"
+        )
+    if max_resp_len is not None and int(max_resp_len) < int(cfg_get(cfg, "len", 0) or 0):
+        raise ValueError(
+            f"reward_model.reward_kwargs.max_resp_len={max_resp_len} must be >= overlong_buffer_cfg.len="
+            f"{cfg_get(cfg, 'len')} (verl asserts the same)"
+        )
+    return cfg, None if max_resp_len is None else int(max_resp_len)
+
+
+DAPO_REWARD_KWARGS = ("overlong_buffer_cfg", "max_resp_len", "strict_box_verify")  # what verl's DAPO reads
+
+
 @register_reward_manager("dapo")
 class DAPORewardManager(NaiveRewardManager):
     """``naive`` + the overlong penalty when ``overlong_buffer_cfg.enable``."""

@@ -145,6 +145,8 @@ class AgentLoopWorker:
             self.tokenizer,
             num_examine=0,
             max_resp_len=int(self.config.data.max_response_length),
+            reward_fn_key=str(self.config.data.get("reward_fn_key", "data_source")),
+            manager_section=self.config.get("reward_manager"),
         )
 
     # ------------------------------------------------------------------ one chunk
