@@ -30,6 +30,11 @@ def test_the_defaults_and_a_teacher_pass():
         ([*TEACHER, "actor_rollout_ref.teacher.n_server_workers=0"], "n_server_workers=0"),
         ([*TEACHER, "actor_rollout_ref.teacher.timeout_s=0"], "timeout_s=0 must be > 0"),
         ([*TEACHER, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], "whole-vocabulary logits"),
+        # verl's newer key: the distill forward bypasses SP, so it must be refused too (issue 44 item 8)
+        (
+            [*TEACHER, "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2"],
+            "whole-vocabulary logits",
+        ),
         ([*TEACHER, "algorithm.filter_groups.enable=true"], "dynamic sampling"),
         ([*TEACHER, "trainer.scheduler=one_step_off", "trainer.save_freq=5"], "a resumed run"),
     ],

@@ -40,7 +40,7 @@ def distill_problems(config: DictConfig) -> list[str]:
 
 
 def _teacher_problems(config: DictConfig, scheduler: str) -> list[str]:
-    teacher, actor = config.actor_rollout_ref.teacher, config.actor_rollout_ref.actor
+    teacher = config.actor_rollout_ref.teacher
     problems = []
     bounds = {
         "server_port": (1, 65535),
@@ -58,13 +58,13 @@ def _teacher_problems(config: DictConfig, scheduler: str) -> list[str]:
     for key in ("temperature", "timeout_s"):
         if not float(teacher.get(key) or 0) > 0:
             problems.append(f"actor_rollout_ref.teacher.{key}={teacher.get(key)} must be > 0")
-    if (
-        int(actor.get("tensor_model_parallel_size", 1)) > 1
-        or int(actor.get("ulysses_sequence_parallel_size", 1)) > 1
-    ):
+    from hybridflow.trainer.config.parallelism import sp_size, tp_size
+
+    if tp_size(config, "actor_rollout_ref.actor") > 1 or sp_size(config, "actor_rollout_ref.actor") > 1:
         problems.append(
             "on-policy distillation reads the student's whole-vocabulary logits of whole sequences: "
-            "actor.tensor_model_parallel_size and ulysses_sequence_parallel_size must be 1"
+            "actor.tensor_model_parallel_size and ulysses_sequence_parallel_size (also under "
+            "actor.fsdp_config) must be 1"
         )
     if config.algorithm.filter_groups.get("enable"):
         problems.append(

@@ -166,6 +166,21 @@ def sequence_parallel_sizes(config: DictConfig) -> tuple[dict[str, int], list[st
     return sizes, problems
 
 
+def sp_size(config: DictConfig, section: str) -> int:
+    """The Ulysses SP size of role ``section`` (e.g. ``actor_rollout_ref.actor``) from either of verl's
+    keys (the role's own, or its ``fsdp_config``'s): the one reading every feature's check uses. A bad
+    value reads as 1 here; :func:`sequence_parallel_problems` reports it."""
+    sizes, _ = sequence_parallel_sizes(config)
+    value = sizes.get(section, 1)
+    return value if isinstance(value, int) else 1
+
+
+def tp_size(config: DictConfig, section: str) -> int:
+    """The tensor-parallel size of role ``section`` (1 when unset or not an integer)."""
+    value = _size(config, section)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 1
+
+
 def sequence_parallel_problems(config: DictConfig) -> list[str]:
     """One line per Ulysses setting that cannot run (empty: sound). Checked: the size divides the role's
     worker processes and the model's heads (verl's rule for kv heads), and is not combined with what

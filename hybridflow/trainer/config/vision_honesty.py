@@ -81,17 +81,16 @@ def vision_problems(config: DictConfig) -> list[str]:
             f"critic.enable=true (or a value-based estimator): {where}; a value head on it is not built: "
             "use a critic-free estimator (algorithm.adv_estimator=grpo, rloo, ...) and critic.enable=false"
         )
+    from hybridflow.trainer.config.parallelism import sp_size, tp_size
+
     for role in ("actor", "ref"):
-        if int(arr[role].get("ulysses_sequence_parallel_size") or 1) > 1:
+        if sp_size(config, f"actor_rollout_ref.{role}") > 1:
             problems.append(
                 f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size > 1: {where}; sequence parallelism "
                 "with images (the vision tower's patches and M-RoPE positions split over ranks) is not "
                 "implemented: set 1"
             )
-    if (
-        int(arr.actor.get("tensor_model_parallel_size") or 1) > 1
-        or int(rollout.tensor_model_parallel_size) > 1
-    ):
+    if tp_size(config, "actor_rollout_ref.actor") > 1 or tp_size(config, "actor_rollout_ref.rollout") > 1:
         problems.append(
             f"tensor_model_parallel_size > 1: {where}; tensor parallelism of the vision tower is not "
             "implemented: set actor and rollout tensor_model_parallel_size=1"
