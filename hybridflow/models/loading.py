@@ -104,3 +104,13 @@ def get_generation_eos_ids(path_or_tokenizer: Any, trust_remote_code: bool = Fal
     if not ids:
         raise ValueError("no eos token id found in generation_config.json or the tokenizer")
     return list(dict.fromkeys(ids))
+
+
+def is_sequence_classifier(path: str | Path) -> bool:
+    """Whether the model in the directory ``path`` is a sequence classifier (a DisRM: its config's
+    ``architectures`` end in ``ForSequenceClassification``). The one test of it: the server's ``--task
+    auto``, the reward loop and the config check all read this."""
+    from transformers import AutoConfig
+
+    archs = AutoConfig.from_pretrained(str(Path(path).expanduser())).architectures or []
+    return any(a.endswith("ForSequenceClassification") for a in archs)

@@ -24,15 +24,8 @@ import asyncio
 import uuid
 from typing import Any
 
+from hybridflow.models.loading import is_sequence_classifier as is_classifier  # noqa: F401 - the one test
 from hybridflow.serve.protocol import APIError, now
-
-
-def is_classifier(path: str) -> bool:
-    """Whether the model in ``path`` is a sequence classifier (its config's architectures say so)."""
-    from transformers import AutoConfig
-
-    archs = AutoConfig.from_pretrained(path).architectures or []
-    return any(a.endswith("ForSequenceClassification") for a in archs)
 
 
 class Classifier:

@@ -58,6 +58,14 @@ def test_the_pool_and_engine_keys_become_server_flags(tiny_model_dir):
     )
     assert standalone.replicas == 3 and standalone.server_args[-2:] == ("--dtype", "bf16")
 
+    # verl's gpu_memory_utilization sizes the cache when kv_cache_memory_gb is null (its default now):
+    # 0.5 of the free memory for the node's two replicas together, 0.25 each (issue 44 item 5)
+    verl_budget = RewardModelServers.from_config(
+        _config(tiny_model_dir, "trainer.n_gpus_per_node=2", "reward_model.rollout.kv_cache_memory_gb=null")
+    )
+    flags = dict(zip(verl_budget.server_args[::2], verl_budget.server_args[1::2], strict=True))
+    assert flags["--gpu-memory-utilization"] == "0.25" and "--kv-cache-memory-gb" not in flags
+
 
 def _ask(address: str) -> str:
     request = {

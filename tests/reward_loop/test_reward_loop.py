@@ -248,3 +248,20 @@ def test_the_limited_manager_serves_two_loops_in_one_process(tokenizer, scorers)
     first, second = RewardLoop(cfg, tokenizer), RewardLoop(cfg, tokenizer)
     for loop in (first, second, first):
         assert loop(batch).sum(-1).tolist() == [1, 0, 1, 0, 1, 1]
+
+
+def test_worker_metrics_merge_weighted_by_samples():
+    """Two agent-loop workers: 3 samples scoring mean 1.0 and 1 sample scoring 0.0 give 0.75 over the
+    4 (before: 0.5, the plain mean of the two workers); counts sum; p95 is the larger worker's."""
+    from hybridflow.workers.reward_loop.loop import merge_worker_metrics
+
+    merged = merge_worker_metrics(
+        [
+            {"reward/rule/mean": 1.0, "reward/samples": 3.0, "reward/judge_latency_p95_s": 0.2},
+            {"reward/rule/mean": 0.0, "reward/samples": 1.0, "reward/judge_latency_p95_s": 0.9},
+        ],
+        [],
+    )
+    assert merged["reward/rule/mean"] == 0.75
+    assert merged["reward/samples"] == 4.0
+    assert merged["reward/judge_latency_p95_s"] == 0.9

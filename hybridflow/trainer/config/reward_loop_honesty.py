@@ -208,6 +208,14 @@ def served_rm_problems(config: DictConfig, rm: dict) -> list[str]:
         problems.append(
             f"reward_model.rollout.name={served.get('name')!r}: the judge is served by engine or vllm"
         )
+    colocated = not rm.get("enable_resource_pool", False)
+    if served.get("name", "engine") == "vllm" and colocated and served.get("free_cache_engine", True):
+        problems.append(
+            "reward_model.rollout.name=vllm with free_cache_engine=true (colocated): vLLM-CPU has no sleep "
+            "mode (its --enable-sleep-mode is refused on the CPU platform), so the judge could not release "
+            "its KV cache between reward phases: set reward_model.rollout.free_cache_engine=false (it keeps "
+            "the cache), or rollout.name=engine"
+        )
     if served.get("dtype") not in SERVED_DTYPES:
         problems.append(f"reward_model.rollout.dtype={served.get('dtype')!r}: use null, fp32 or bf16")
     for key in ("max_num_batched_tokens", "max_num_seqs", "prompt_length", "response_length"):
@@ -225,9 +233,9 @@ def served_rm_problems(config: DictConfig, rm: dict) -> list[str]:
             f"reward_model.model.path={path!r} is not a model directory (the reward model to serve)"
         )
     elif not _get(config, "custom_reward_function.path"):
-        from hybridflow.workers.reward_loop.loop import is_classifier_dir
+        from hybridflow.models.loading import is_sequence_classifier
 
-        if not is_classifier_dir(path):
+        if not is_sequence_classifier(path):
             problems.append(
                 "reward_model.enable=true serves a generative reward model: set custom_reward_function.path "
                 "to a compute_score that asks it (it gets reward_router_address); only a sequence "

@@ -82,14 +82,6 @@ def manager_class(config) -> type:
     raise ValueError(f"reward_manager.source={source!r}; choose register or importlib")
 
 
-def is_classifier_dir(path: str) -> bool:
-    """Whether the model in ``path`` is a sequence classifier (a DisRM; its config's architectures)."""
-    from transformers import AutoConfig
-
-    archs = AutoConfig.from_pretrained(path).architectures or []
-    return any(a.endswith("ForSequenceClassification") for a in archs)
-
-
 def _timed(call) -> float:
     start = time.perf_counter()
     call()
@@ -129,11 +121,11 @@ class RewardLoop:
                 "(main_ppo starts it and sets reward_model.reward_kwargs.reward_router_address)"
             )
         if served and reward_model_tokenizer is None:  # verl hands the RM's tokenizer to the function
-            from hybridflow.models.loading import load_tokenizer
+            from hybridflow.models.loading import is_sequence_classifier, load_tokenizer
 
             path = os.path.expanduser(str(cfg_get(cfg_get(rm, "model"), "path")))
             reward_model_tokenizer = load_tokenizer(path)
-            if disrm is None and not self.has_custom and is_classifier_dir(path):  # a DisRM, served
+            if disrm is None and not self.has_custom and is_sequence_classifier(path):  # a served DisRM
                 from hybridflow.workers.reward_loop.disrm import ServedDisRM
 
                 disrm = ServedDisRM(reward_router_address, path, tokenizer, reward_model_tokenizer)
@@ -240,17 +232,30 @@ class RewardLoop:
 def merge_worker_metrics(
     per_worker: list[dict[str, float]], clocks: list[dict[str, float]]
 ) -> dict[str, float]:
-    """The reward-loop metrics of several agent-loop workers as one: counts summed, means and latencies
-    averaged over the workers that report them; ``reward/exposed_s``: seconds from the last sample's
-    generation end to the last score (the scoring left after the rollout), from each worker's wall clock."""
-    merged: dict[str, list[float]] = {}
+    """The reward-loop metrics of several agent-loop workers as one: counts summed; means and the p50
+    latency averaged over the workers that report them, each weighted by its ``reward/samples`` (a
+    worker that scored 3 samples counts 3 times as much as one that scored 1); the p95 latency the
+    largest worker's (an upper bound: percentiles do not average); ``reward/exposed_s``: seconds from the
+    last sample's generation end to the last score (the scoring left after the rollout), from each
+    worker's wall clock."""
+    merged: dict[str, list[tuple[float, float]]] = {}
     for metrics in per_worker:
+        weight = float(metrics.get("reward/samples", 1.0))
         for key, value in metrics.items():
-            merged.setdefault(key, []).append(float(value))
+            merged.setdefault(key, []).append((float(value), weight))
     out = {}
-    for key, values in merged.items():
+    for key, pairs in merged.items():
+        values = [v for v, _ in pairs]
         summed = key in ("reward/samples", "reward/retries") or key.startswith("reward/failures/")
-        out[key] = float(np.sum(values)) if summed else float(np.mean(values))
+        if summed:
+            out[key] = float(np.sum(values))
+        elif key.endswith("_p95_s"):
+            out[key] = float(np.max(values))
+        else:
+            weights = [w for _, w in pairs]
+            out[key] = (
+                float(np.average(values, weights=weights)) if sum(weights) > 0 else float(np.mean(values))
+            )
     generated = max((c.get("generated", 0.0) for c in clocks), default=0.0)
     scored = max((c.get("scored", 0.0) for c in clocks), default=0.0)
     if scored > 0:

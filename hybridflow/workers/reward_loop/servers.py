@@ -82,8 +82,8 @@ class RewardModelServers:
         args += ["--max-num-batched-tokens", str(int(served.max_num_batched_tokens))]
         if served.get("kv_cache_memory_gb") is not None:
             args += ["--kv-cache-memory-gb", str(float(served.kv_cache_memory_gb))]
-        else:
-            args += ["--gpu-memory-utilization", str(float(served.gpu_memory_utilization))]
+        else:  # verl's fraction, shared by the replicas that start together from one free-memory reading
+            args += ["--gpu-memory-utilization", str(float(served.gpu_memory_utilization) / replicas)]
         dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(served.get("dtype"), served.get("dtype"))
         if dtype is not None:
             args += ["--dtype", str(dtype)]
@@ -176,6 +176,11 @@ class RewardModelServers:
         if dead:
             raise RuntimeError("the served reward model lost a process: " + " || ".join(dead))
 
+    def _is_classifier(self) -> bool:
+        from hybridflow.models.loading import is_sequence_classifier
+
+        return is_sequence_classifier(self.model_path)
+
     # ------------------------------------------------------------------ colocated sleep / wake
     def _post_all(self, endpoint: str) -> list[dict]:
         import httpx
@@ -191,7 +196,7 @@ class RewardModelServers:
                 raise RuntimeError(
                     f"reward model replica {url}{endpoint}: {type(error).__name__}: {error}"
                 ) from error
-            if answer.status_code == 404:  # a classifier (DisRM) holds no KV cache: nothing to release
+            if answer.status_code == 404 and self._is_classifier():  # a DisRM holds no KV cache
                 answers.append({})
                 continue
             if answer.status_code != 200:

@@ -46,11 +46,10 @@ from hybridflow.workers.rollout.engine.vision import (
     mrope_axes,
     weight_prefix,
 )
+from hybridflow.workers.vision_forward import SUPPRESSED_LOGIT  # a placeholder's logit, as the actor's
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _LAYER_NAME = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(.+)$")
-# a suppressed token's logit (the placeholders of a vision-language model; as vision_forward's)
-SUPPRESSED_LOGIT = -1e30
 
 
 @dataclass(frozen=True)
