@@ -10,12 +10,14 @@ so ``/health`` answers during a long prefill.
 
 Bad requests get an OpenAI-style error body and the server keeps serving: malformed JSON or a field
 out of range (400), token ids outside the vocabulary, a seed beyond int64, ``n`` above ``--max-n`` or
-more prompts than ``--max-prompts`` (400), an unknown model (404), a prompt longer than the model (400),
-greedy sampling with ``n > 1`` (400, as vLLM's server answers: the samples would all be the same), a
-body over ``--max-request-bytes`` (413), a wrong API key (401, :mod:`.gate`), a full waiting list (503
-with ``Retry-After``). A request that fails inside the engine fails alone (500 for it, the batch goes
-on). Stop strings end decoding in the engine; a client that disconnects has its request aborted and its
-cache slots freed.
+more prompts than ``--max-prompts`` (400), more sequences (``n`` x prompts) than the server holds at
+once, its cache slots plus ``--max-waiting`` (400: waiting would not help), an unknown model (404), a
+prompt longer than the model (400), greedy sampling with ``n > 1`` (400, as vLLM's server answers: the
+samples would all be the same), a body over ``--max-request-bytes`` (413), a wrong API key (401,
+:mod:`.gate`), a full waiting list (503 with ``Retry-After``; admission counts sequences, so a request's
+``n`` samples take ``n`` places, :meth:`EngineService.admitted`). A request that fails inside the engine
+fails alone (500 for it, the batch goes on). Stop strings end decoding in the engine; a client that
+disconnects has its request aborted and its cache slots freed.
 """
 
 # no `from __future__ import annotations`: FastAPI reads the endpoints' annotations (Request) at build time
@@ -46,7 +48,7 @@ class ServerLimits:
 
     max_n: int = 32  # samples per request (--max-n)
     max_prompts: int = 32  # prompts in one /v1/completions request (--max-prompts)
-    max_waiting: int = 256  # requests queued for a cache slot before new ones get 503 (--max-waiting)
+    max_waiting: int = 256  # sequences (n per prompt) queued for a cache slot beyond them (--max-waiting)
     retry_after_s: int = 1  # the Retry-After a 503 carries
 
 
@@ -61,8 +63,18 @@ class EngineService:
         self.eos_ids = list(eos_ids)
         self.limits = limits or ServerLimits()
         self.vocab_size = int(engine.model.full_spec.vocab_size)
-        self.in_flight = 0  # engine requests admitted by :meth:`admitted` and not yet answered
-        self.sleeping = False  # POST /sleep released the KV cache: requests get 503 until /wake_up (.sleep)
+        self.in_flight = 0  # sequences (n per prompt) admitted by :meth:`admitted` and not yet answered
+        self.sleep_state = "awake"  # or "draining" / "asleep" (.sleep): requests get 503 unless awake
+
+    @property
+    def sleeping(self) -> bool:
+        """Whether admission is closed by ``POST /sleep`` (draining or asleep, :mod:`.sleep`)."""
+        return self.sleep_state != "awake"
+
+    @property
+    def capacity(self) -> int:
+        """Sequences admitted at once at most: the cache slots plus ``max_waiting`` queued beyond them."""
+        return self.engine.cache.num_slots + self.limits.max_waiting
 
     # ------------------------------------------------------------------ request checks
     def check_model(self, name: str) -> None:
@@ -70,18 +82,35 @@ class EngineService:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", kind="NotFoundError")
 
     def check_limits(self, request, prompts: int = 1) -> None:
-        """``n`` and the prompt count against the limits."""
+        """``n``, the prompt count and the sequences they make (``n`` x prompts) against the limits."""
         if request.n > self.limits.max_n:
             raise APIError(400, f"n={request.n} is above this server's limit of {self.limits.max_n}.", "n")
         if prompts > self.limits.max_prompts:
             most = self.limits.max_prompts
             raise APIError(400, f"{prompts} prompts in one request; the most is {most}.", "prompt")
+        sequences = request.n * prompts
+        if sequences > self.capacity:
+            asked = f"n={request.n}" + (
+                f" x {prompts} prompts = {sequences} sequences" if prompts > 1 else ""
+            )
+            raise APIError(400, f"{asked} is above {self._holds()}; ask for fewer samples.", "n")
+
+    def _holds(self) -> str:
+        slots, waiting = self.engine.cache.num_slots, self.limits.max_waiting
+        return (
+            f"the {self.capacity} sequences this server holds at once ({slots} KV-cache slots + "
+            f"--max-waiting {waiting})"
+        )
 
     @contextlib.contextmanager
-    def admitted(self, prompts: int):
-        """Hold ``prompts`` places among the engine requests in flight, or answer 503 with Retry-After
-        when the cache slots and the waiting list (``max_waiting``) beyond them are all taken, or while
-        the server sleeps (:mod:`.sleep`)."""
+    def admitted(self, sequences: int):
+        """Hold ``sequences`` places (a request's ``n`` x its prompts: what it takes of the KV cache)
+        until the block ends, however it ends. A request that would not fit an idle server
+        (:attr:`capacity`) is a 400; one that does not fit beside those in flight now, or any while the
+        server sleeps or drains for a sleep (:mod:`.sleep`), a 503 with Retry-After: it is refused, not
+        queued, so the client retries it (at most ``capacity`` sequences wait on the engine)."""
+        if sequences > self.capacity:
+            raise APIError(400, f"{sequences} sequences in one request is above {self._holds()}; send fewer.")
         if self.sleeping:
             raise APIError(
                 503,
@@ -89,20 +118,20 @@ class EngineService:
                 kind="server_busy",
                 headers={"Retry-After": str(self.limits.retry_after_s)},
             )
-        capacity = self.engine.cache.num_slots + self.limits.max_waiting
-        if self.in_flight + prompts > capacity:
+        if self.in_flight + sequences > self.capacity:
             waiting = max(self.in_flight - self.engine.cache.num_slots, 0)
             raise APIError(
                 503,
-                f"The server is busy: {waiting} requests are waiting for a slot. Retry later.",
+                f"The server is busy: {waiting} sequences are waiting for a KV-cache slot and this request "
+                f"needs {sequences} places of the {self.capacity - self.in_flight} free. Retry later.",
                 kind="server_busy",
                 headers={"Retry-After": str(self.limits.retry_after_s)},
             )
-        self.in_flight += prompts
+        self.in_flight += sequences
         try:
             yield
         finally:
-            self.in_flight -= prompts
+            self.in_flight -= sequences
 
     def check_tokens(self, prompt: list[int], param: str) -> None:
         if not prompt:
@@ -248,7 +277,7 @@ class EngineService:
         self.check_limits(request)
         prompt = self.chat_prompt(request)
         params = self.params(request, len(prompt), (request.top_logprobs or 0) if request.logprobs else 0)
-        with self.admitted(1):
+        with self.admitted(request.n):
             result = await self.run(prompt, params, request.n, completion_id("chatcmpl"))
         choices = [self.chat_choice(i, c, request) for i, c in enumerate(result.completions)]
         return {
@@ -267,7 +296,7 @@ class EngineService:
         self.check_limits(request, len(prompts))
         params = [self.params(request, len(p), request.logprobs or 0) for p in prompts]
         request_id = completion_id("cmpl")
-        with self.admitted(len(prompts)):
+        with self.admitted(len(prompts) * request.n):
             results = await _gather_or_cancel(
                 [
                     self.run(prompt, prompt_params, request.n, f"{request_id}-{i}")
@@ -300,7 +329,7 @@ class EngineService:
         prompt = self.chat_prompt(request)
         params = self.params(request, len(prompt), (request.top_logprobs or 0) if request.logprobs else 0)
         request_id = completion_id("chatcmpl")
-        admission = self.admitted(1)
+        admission = self.admitted(request.n)
         admission.__enter__()  # held until the events end (:func:`_until_done`)
         try:
             stream = self.engine.stream(prompt, params, n=request.n, request_id=request_id)
@@ -380,9 +409,11 @@ def build_app(service: EngineService, api_key: str | None = None, max_request_by
     @app.get("/stats")
     async def stats():
         """hybridflow's own: the engine's counters (prefill tokens, decode steps, generated tokens,
-        aborted and failed requests) and the requests running and waiting now."""
+        aborted and failed requests), the requests running and waiting now, and ``in_flight``: the
+        sequences admitted and not yet answered (what ``--max-waiting`` bounds, with the cache slots)."""
         engine = service.engine
-        return {**engine.stats, "running": engine.num_running, "waiting": engine.num_waiting}
+        running, waiting = engine.num_running, engine.num_waiting
+        return {**engine.stats, "running": running, "waiting": waiting, "in_flight": service.in_flight}
 
     @app.get("/v1/models")
     async def models():
