@@ -67,6 +67,7 @@ def run_generation(config: DictConfig) -> str:
         int(rollout.prompt_length),
         str(data.truncation),
         where=str(data.path),
+        template_kwargs=dict(data.get("apply_chat_template_kwargs") or {}),
     )
     n, batch_size = int(data.n_samples), int(data.batch_size)
     engine = build_engine(config)
@@ -173,9 +174,15 @@ def _read_table(path: str, prompt_key: str):
 
 
 def prompt_token_ids(
-    messages_per_row: list, tokenizer, prompt_length: int, truncation: str, where: str = "data"
+    messages_per_row: list,
+    tokenizer,
+    prompt_length: int,
+    truncation: str,
+    where: str = "data",
+    template_kwargs: dict | None = None,
 ) -> list[list[int]]:
-    """Chat-templated prompt ids per row (no special tokens beyond the template).
+    """Chat-templated prompt ids per row (no special tokens beyond the template; ``template_kwargs``:
+    ``data.apply_chat_template_kwargs``, verl's, e.g. ``{enable_thinking: false}``).
 
     A prompt longer than ``prompt_length`` tokens raises ``ValueError`` naming its row when
     ``truncation`` is ``error``; otherwise it is cut as :data:`rl_dataset.TRUNCATIONS` says.
@@ -188,7 +195,11 @@ def prompt_token_ids(
             raise ValueError(f"{where} row {row}: the prompt must be a non-empty list of chat messages")
         if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
             raise ValueError(f"{where} row {row}: each prompt message needs string 'role' and 'content'")
-        texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+        texts.append(
+            tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+            )
+        )
     ids_per_row = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     too_long = [row for row, ids in enumerate(ids_per_row) if len(ids) > prompt_length]
     cut = TRUNCATIONS[truncation]

@@ -88,12 +88,13 @@ class VisionProcessor:
         )
         return 1, height // proc.patch_size, width // proc.patch_size
 
-    def template(self, messages: list[dict]) -> str:
+    def template(self, messages: list[dict], **template_kwargs) -> str:
         return self.tokenizer.apply_chat_template(
             vision_messages(messages),
             chat_template=self.chat_template,
             add_generation_prompt=True,
             tokenize=False,
+            **template_kwargs,
         )
 
     def encode(self, messages: list[dict], images: list, bounds: list[tuple], where: str) -> EncodedPrompt:

@@ -45,6 +45,7 @@ DEFAULTS: dict[str, Any] = {
     "video_key": "videos",
     "return_multi_modal_inputs": True,
     "cache_dir": None,
+    "apply_chat_template_kwargs": None,  # verl's: extra chat-template variables ({enable_thinking: false})
 }
 
 
@@ -124,6 +125,7 @@ class RLHFDataset(Dataset):
         self.return_raw_chat = bool(cfg["return_raw_chat"])
         self.return_full_prompt = bool(cfg["return_full_prompt"])
         self.reward_fn_key: str = cfg["reward_fn_key"]
+        self.chat_template_kwargs = dict(cfg["apply_chat_template_kwargs"] or {})
         self.multimodal_keys = (cfg["image_key"], cfg["video_key"])
         self.images = ImageRows(processor, cfg["image_key"], bool(cfg["return_multi_modal_inputs"]))
         if self.truncation not in TRUNCATIONS:
@@ -169,7 +171,9 @@ class RLHFDataset(Dataset):
                 lengths[i] = self.images.prompt_length(row, row[self.prompt_key], self._where(i))
         keep = [i for i, n in enumerate(lengths) if n <= limit]
         dropped = len(self.rows) - len(keep)
-        named = [f"{self._where(i)[len('RLHFDataset: '):]} ({n})" for i, n in enumerate(lengths) if n > limit]
+        named = [
+            f"{self._where(i)[len('RLHFDataset: ') :]} ({n})" for i, n in enumerate(lengths) if n > limit
+        ]
         logger.info(
             "RLHFDataset: filtered %d of %d prompts longer than %d tokens%s",
             dropped,
@@ -190,10 +194,12 @@ class RLHFDataset(Dataset):
         return f"RLHFDataset: {path} row {row_number}"
 
     def _prompt_text(self, row: dict) -> str:
+        """The chat template on the row's messages, with ``data.apply_chat_template_kwargs`` (verl's:
+        a Qwen3 run turns thinking off with ``{enable_thinking: false}``)."""
         if self.images.processor is not None:  # the processor's template (typed content for <image>)
-            return self.images.processor.template(row[self.prompt_key])
+            return self.images.processor.template(row[self.prompt_key], **self.chat_template_kwargs)
         return self.tokenizer.apply_chat_template(
-            row[self.prompt_key], add_generation_prompt=True, tokenize=False
+            row[self.prompt_key], add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
         )
 
     def _prompt_ids(self, row: dict) -> tuple[str, list[int]]:
