@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP app over hybridflow's engine (FastAPI; ``python -m hybridflow.serve``).
 
-Endpoints: ``GET /health``, ``GET /stats`` (the engine's counters), ``GET /v1/models``,
+Endpoints: ``GET /health``, ``GET /stats`` (the engine's counters), ``GET /metrics`` (Prometheus, vLLM's
+names: :mod:`hybridflow.serve.metrics`), ``GET /v1/models``,
 ``POST /sleep`` / ``/wake_up`` / ``GET /is_sleeping`` (:mod:`.sleep`),
 ``POST /v1/chat/completions`` (n, temperature, top_p, max_tokens / max_completion_tokens, stop, seed,
 logprobs / top_logprobs, tools → ``tool_calls`` parsed from Hermes blocks, streaming with log-probs and
@@ -442,6 +443,9 @@ def build_app(service: EngineService, api_key: str | None = None, max_request_by
     from hybridflow.serve.sleep import add_sleep_routes
 
     add_sleep_routes(app, service)  # /sleep, /wake_up, /is_sleeping (a colocated reward model)
+    from hybridflow.serve.metrics import add_metrics_route
+
+    add_metrics_route(app, service)  # /metrics: Prometheus text, vLLM's names
     return RequestGate(app, api_key, max_request_bytes)
 
 

@@ -1,7 +1,8 @@
 """What a request passes before the app reads it: the API key and the body size (an ASGI middleware).
 
-- ``api_key``: every ``/v1/*`` request, ``/stats``, ``/classify`` and the sleep endpoints must carry
-  ``Authorization: Bearer <key>`` (vLLM's ``--api-key``); ``/health`` stays open for load balancers.
+- ``api_key``: every ``/v1/*`` request, ``/stats``, ``/metrics``, ``/classify`` and the sleep endpoints
+  must carry ``Authorization: Bearer <key>`` (vLLM's ``--api-key``); ``/health`` stays open for load
+  balancers.
   A wrong or missing key is a 401 in OpenAI's error shape, answered before the body is read.
 - ``max_body_bytes``: a body longer than this (by its ``Content-Length`` or as it streams in) is a 413,
   and is never held in memory whole. The body read here is handed on to the app, and the messages
@@ -18,7 +19,7 @@ def error_body(status: int, message: str, kind: str, code: str | None = None) ->
     return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
 
 
-PROTECTED = ("/stats", "/classify", "/sleep", "/wake_up", "/is_sleeping")  # besides /v1/*
+PROTECTED = ("/stats", "/metrics", "/classify", "/sleep", "/wake_up", "/is_sleeping")  # besides /v1/*
 
 
 class RequestGate:

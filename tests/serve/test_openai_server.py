@@ -198,3 +198,39 @@ def test_the_vllm_backend_is_vllms_own_server_answering_alike(vllm_server):
         client.chat.completions.create(**chat, max_tokens=-5)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(**{**chat, "model": "gpt-9"})
+
+
+def test_metrics_serve_vllms_names_in_prometheus_text(server, client):
+    """``GET /metrics``: vLLM's metric names and types (counters with ``_total``), read by Prometheus's own
+    parser; the token counters grow by what a request prefilled and generated."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url, model = server
+
+    def scrape() -> dict[str, float]:
+        answer = httpx.get(f"{url}/metrics", timeout=30)
+        assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/plain")
+        samples = {}
+        for family in text_string_to_metric_families(answer.text):
+            for sample in family.samples:
+                assert sample.labels == {"model_name": model}
+                samples[sample.name] = sample.value
+        return samples
+
+    before = scrape()
+    expected = {
+        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+        "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+        "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+    }  # fmt: skip
+    assert expected <= set(before)
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "What is 4 + 5?"}], max_tokens=5, temperature=0
+    )
+    after = scrape()
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    assert generated == reply.usage.completion_tokens
+    prefilled = after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"]
+    assert prefilled == reply.usage.prompt_tokens
+    assert after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"] == prefilled
+    assert after["vllm:num_requests_running"] == 0 and 0 <= after["vllm:kv_cache_usage_perc"] <= 1
