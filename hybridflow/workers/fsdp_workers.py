@@ -23,6 +23,7 @@ from hybridflow import keys
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, make_nd_compute_dataproto_dispatch_fn, register
 from hybridflow.utils.dataset.multimodal import load_processor
+from hybridflow.utils.profiler import WorkerProfiler, annotate
 from hybridflow.workers.actor.dp_actor import DataParallelPPOActor
 from hybridflow.workers.critic.dp_critic import DataParallelPPOCritic
 from hybridflow.workers.fsdp_utils import build_device_mesh
@@ -126,6 +127,29 @@ class FSDPWorkerBase(Worker):
         # data (worker creation does not wait for this), not later in init_model.
         from transformers import AutoModelForCausalLM  # noqa: F401
 
+    # ------------------------------------------------------------------ verl's profiler (utils/profiler.py)
+    def profiled_roles(self) -> tuple[str, ...]:
+        """The profiler roles (``actor``, ``rollout``, ``ref``, ``critic``) this worker holds."""
+        return ()
+
+    @property
+    def profiler(self) -> WorkerProfiler:
+        """This worker's :class:`~hybridflow.utils.profiler.WorkerProfiler` (made on first use)."""
+        if getattr(self, "_profiler", None) is None:
+            self._profiler = WorkerProfiler(self.rank, self.profiled_roles(), self.device_type())
+        return self._profiler
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def start_profile(self, profile_step: int, profiles: dict) -> list[str]:
+        """Begin profiling step ``profile_step`` for this worker's roles in ``profiles`` (role ->
+        :class:`~hybridflow.utils.profiler.RoleProfile`) whose ranks include this one."""
+        return self.profiler.start(profile_step, profiles)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def stop_profile(self, profile_step: int | None = None) -> list[str]:
+        """End the profile (``profile_step``: the last step it covers); returns the files written here."""
+        return self.profiler.stop(profile_step)
+
     def mesh(self, tensor_parallel_size: int):
         """The device mesh of a model trained with ``tensor_model_parallel_size`` (built once)."""
         if tensor_parallel_size <= 1:
@@ -193,6 +217,10 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         self.rollout_tp = _tp_size(self.config.rollout)
         self._register_meshes()
         self._normalise_batch_sizes()
+
+    def profiled_roles(self) -> tuple[str, ...]:
+        held = (("actor", self._is_actor), ("rollout", self._is_rollout), ("ref", self._is_ref))
+        return tuple(role for role, here in held if here)
 
     def _register_meshes(self) -> None:
         """The dp rank of this process on each mesh its role uses (the data methods dispatch by it)."""
@@ -308,6 +336,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
 
     # ------------------------------------------------------------------ rollout
     @register(dispatch_mode=ROLLOUT_DISPATCH)
+    @annotate("gen", role="rollout")
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Prompts (B, T_p) → prompts + responses; see ``hybridflow.workers.rollout.base``."""
         prompts.meta_info.setdefault("eos_token_id", self.eos_token_ids)
@@ -364,6 +393,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             self.rollout.release()
 
     @register(dispatch_mode=Dispatch.ALL_TO_ALL)
+    @annotate("gen", role="rollout")
     def serve_requests(self, server) -> dict:
         """Serve ``server``'s requests (this rank's replica) with the rollout's engine until it says stop
         (:func:`hybridflow.workers.rollout.replica.serve_requests`). A long call: the worker takes no
@@ -396,6 +426,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
 
     # ------------------------------------------------------------------ log-probs
     @register(dispatch_mode=ACTOR_DISPATCH)
+    @annotate("old_log_prob", role="actor")
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs`` and ``entropys`` (B, T_r) under the current actor weights."""
         self._use_training_temperature(data)
@@ -406,6 +437,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         )
 
     @register(dispatch_mode=REF_DISPATCH)
+    @annotate("ref", role="ref")
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob`` (B, T_r) under the frozen reference policy (a LoRA actor with its adapter off)."""
         self._use_training_temperature(data)
@@ -415,6 +447,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
 
     # ------------------------------------------------------------------ training
     @register(dispatch_mode=ACTOR_DISPATCH)
+    @annotate("update_actor", role="actor")
     def update_actor(self, data: DataProto) -> DataProto:
         """One PPO update on this rank's shard; returns metrics (means over micro-batches)."""
         self._use_training_temperature(data)
@@ -464,6 +497,9 @@ class CriticWorker(FSDPWorkerBase):
         scale_token_budgets(config, self.sp, ("ppo_max_token_len_per_gpu", "forward_max_token_len_per_gpu"))
         self.config = critic_batch_sizes_per_rank(config, dp, rollout_n)
 
+    def profiled_roles(self) -> tuple[str, ...]:
+        return ("critic",)
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, total_training_steps: int | None = None) -> None:
         """Load the value model. ``total_training_steps``: see :func:`set_total_training_steps`."""
@@ -485,11 +521,13 @@ class CriticWorker(FSDPWorkerBase):
         )
 
     @register(dispatch_mode=CRITIC_DISPATCH)
+    @annotate("values", role="critic")
     def compute_values(self, data: DataProto) -> DataProto:
         """``values`` (B, T_r)."""
         return DataProto.from_dict({keys.VALUES: self.critic.compute_values(data)})
 
     @register(dispatch_mode=CRITIC_DISPATCH)
+    @annotate("update_critic", role="critic")
     def update_critic(self, data: DataProto) -> DataProto:
         lr = self.critic_parts.lr_scheduler.get_last_lr()[0]
         metrics = _mean_metrics(self.critic.update_critic(data))

@@ -23,6 +23,7 @@ from torch import nn
 from hybridflow import keys
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
+from hybridflow.utils.profiler import annotate
 from hybridflow.workers.fsdp_workers import FSDPWorkerBase, _own_copy, _per_rank
 from hybridflow.workers.micro_batch import restore_order, split_micro_batches
 from hybridflow.workers.model_builder import build_fsdp_module, resolve_local_path
@@ -117,6 +118,7 @@ class RewardModelWorker(FSDPWorkerBase):
         )
 
     @register(dispatch_mode=RM_DISPATCH)
+    @annotate("reward")  # named in a profiled process's trace (the reward model has no profiler section)
     def compute_rm_score(self, data: DataProto) -> DataProto:
         """``rm_scores`` (B, T_r): the sequence score on the last attended response token."""
         cfg = self.config

@@ -16,6 +16,7 @@ import functools
 from omegaconf import DictConfig, OmegaConf
 
 from hybridflow.trainer.config.honesty import limited_value_problems
+from hybridflow.trainer.config.profiler_honesty import fully_async_profiler_problems
 
 # dotted key -> (the values whose effect is delivered, why other values are refused / what to do).
 FULLY_ASYNC_LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
@@ -56,7 +57,7 @@ def fully_async_honesty_problems(config: DictConfig) -> list[str]:
     problems = limited_value_problems(config, FULLY_ASYNC_LIMITED_VALUES)
     problems += _algorithm_problems(config, schema)
     problems += _log_prob_problems(config, schema)
-    problems += _trace_problems(config, schema)
+    problems += _trace_problems(config, schema) + fully_async_profiler_problems(config)
     steps = (config.rollout.get("total_rollout_steps"), config.trainer.get("total_training_steps"))
     if all(steps):
         problems.append(

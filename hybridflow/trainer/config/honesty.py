@@ -25,6 +25,7 @@ from hybridflow.trainer.config.parallelism import (
     sequence_parallel_problems,
     tensor_parallel_problems,
 )
+from hybridflow.trainer.config.profiler_honesty import profiler_problems
 from hybridflow.trainer.config.reward_loop_honesty import reward_loop_problems
 from hybridflow.trainer.config.vision_honesty import vision_problems
 
@@ -66,7 +67,8 @@ LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
     ),
     "trainer.profile_steps": (
         (None,),
-        "the profiler hooks are not implemented; per-phase timings are logged",
+        "verl's older, Nsight-only key; use global_profiler.steps=[...] with global_profiler.tool=torch "
+        "and <role>.profiler.enable=true (docs/profiling.md)",
     ),
 }
 
@@ -409,7 +411,7 @@ def honesty_problems(config: DictConfig) -> list[str]:
     problems += _rollout_backend_problems(config) + _server_mode_problems(config) + _trace_problems(config)
     problems += tensor_parallel_problems(config) + vision_problems(config)
     problems += sequence_parallel_problems(config)
-    problems += reward_loop_problems(config)
+    problems += reward_loop_problems(config) + profiler_problems(config)
     return problems + _reward_kwargs_problems(config) + distill_problems(config)
 
 

@@ -38,6 +38,7 @@ from hybridflow.trainer.ppo.concurrent_phases import Phase, run_phases
 from hybridflow.trainer.ppo.dynamic_sampling import GroupFilter
 from hybridflow.trainer.ppo.preemption import StopRequest, TrainingPreempted
 from hybridflow.trainer.ppo.rollouts import rollout_with_uids
+from hybridflow.trainer.ppo.step_profiler import StepProfiler
 from hybridflow.trainer.ppo.workers_setup import WorkerGroups, build_worker_groups
 from hybridflow.utils.roles import (
     ESTIMATORS_NEEDING_GREEDY_BASELINE,
@@ -96,6 +97,7 @@ class RayPPOTrainer:
         self.rollout_correction = RolloutCorrection.from_config(config.algorithm.get("rollout_correction"))
         self.rollout_backend = str(config.actor_rollout_ref.rollout.name)
         self.log_prob_gap_limit = gap_limit(config.actor_rollout_ref.rollout, computes_in_fp32(config))
+        self.step_profiler = StepProfiler(config)  # global_profiler: verl's profiler around the chosen steps
 
     # ------------------------------------------------------------------ setup
     def init_workers(self) -> None:
@@ -138,10 +140,14 @@ class RayPPOTrainer:
         metrics: dict[str, float] = {}
         data_iter = self._batches()
         start, first_step = time.monotonic(), self.global_steps
+        for line in self.step_profiler.describe(self.total_training_steps):
+            print(f"hybridflow: {line}", flush=True)
         while self.global_steps < self.total_training_steps and not self.stop.requested:
             self.global_steps += 1
+            self.step_profiler.begin(self.global_steps, self.wg)
             metrics = self.fit_step(data_iter)
             metrics.update(self.after_update())
+            self.step_profiler.end(self.global_steps)
             self._stop_when_out_of_time(time.monotonic() - start, self.global_steps - first_step, progress)
             if self._is_due(self.config.trainer.test_freq) and self.val_reward_fn is not None:
                 if not self.stop.requested:  # preempted: the grace period is for the save
@@ -155,6 +161,7 @@ class RayPPOTrainer:
             progress.set_postfix(score=f"{metrics.get('critic/score/mean', float('nan')):.3f}")
             progress.update(1)
         progress.close()
+        self.step_profiler.close(self.global_steps)  # a continuous profile cut short by the end of training
         if self.stop.requested:
             raise TrainingPreempted(self.stop.signum, self.global_steps, self.checkpointer.latest(), False)
         return metrics

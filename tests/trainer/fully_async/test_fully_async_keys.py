@@ -68,6 +68,24 @@ REFUSED = [
     ({R + "trace.token2text": True}, r"trace\.token2text=True: the rollout trace is not wired"),
     ({R + "trace.max_samples_per_step_per_worker": 2}, r"trace\.max_samples_per_step_per_worker=2"),
     ({R + "trace.dir": "/tmp/traces"}, r"trace\.dir=/tmp/traces: the rollout trace"),
+    # verl's profiler: the rollouter's replicas are not profiled (profiler_honesty.py)
+    ({R + "profiler.enable": True}, r"profiler\.enable=true: fully_async_main does not profile"),
+    *(
+        (
+            {R + f"profiler.{leaf}": value},
+            rf"profiler\.{re.escape(leaf)}=.*: fully_async_main does not profile",
+        )
+        for leaf, value in (
+            ("tool", "torch"),
+            ("all_ranks", True),
+            ("ranks", [1]),
+            ("save_path", "/tmp/profile"),
+            ("tool_config.torch.contents", ["cpu"]),
+            ("tool_config.torch.discrete", True),
+            ("tool_config.torch_memory.trace_alloc_max_entries", 5),
+            ("tool_config.torch_memory.stack_depth", 5),
+        )
+    ),
     ({A + "filter_groups.enable": True}, r"algorithm\.filter_groups=.*not supported by fully_async_main"),
     ({A + "filter_groups.metric": "score"}, r"algorithm\.filter_groups=.*DAPO dynamic sampling"),
     ({A + "filter_groups.max_num_gen_batches": 3}, r"algorithm\.filter_groups=.*main_ppo"),

@@ -311,9 +311,11 @@ def test_ppo_with_critic_runs_and_logs_value_metrics(
             "algorithm.use_kl_in_reward": True,
             "algorithm.kl_ctrl.type": "adaptive",
             "trainer.experiment_name": "ppo",
+            **PROFILE_STEP_2,
         },
     )
     last = run_ppo(config, worker_groups=worker_groups)
+    _check_profile(tmp_path / "outputs" / "profile")
     for key in (
         "critic/vf_loss",
         "critic/vf_clipfrac",
@@ -325,6 +327,37 @@ def test_ppo_with_critic_runs_and_logs_value_metrics(
         "actor/reward_kl_penalty_coeff",
     ):
         assert key in last and math.isfinite(last[key]), key
+
+
+# verl's profiler on this run (docs/profiling.md): step 2 only; the actor (and the rollout, which follows
+# it) on rank 1, the critic on every rank; the reference, in use, not enabled.
+PROFILE_STEP_2 = {
+    "global_profiler.tool": "torch",
+    "global_profiler.steps": "[2]",
+    "actor_rollout_ref.actor.profiler.enable": True,
+    "actor_rollout_ref.actor.profiler.ranks": "[1]",
+    "critic.profiler.enable": True,
+    "critic.profiler.all_ranks": True,
+}
+
+
+def _check_profile(profile: Path) -> None:
+    """A torch-profiler trace of step 2 for each enabled role on its ranks, and nothing else; the
+    colocated process's trace names every phase of the step as ``timing_s/*`` does."""
+    import gzip
+
+    files = sorted(str(path.relative_to(profile)) for path in profile.rglob("*") if path.is_file())
+    assert files == [
+        "actor/step2_prof_rank-1.json.gz",
+        "critic/step2_prof_rank-0.json.gz",
+        "critic/step2_prof_rank-1.json.gz",
+        "rollout/step2_prof_rank-1.json.gz",
+    ]
+    for name in ("critic/step2_prof_rank-0.json.gz", "actor/step2_prof_rank-1.json.gz"):
+        with gzip.open(profile / name, "rt") as f:
+            events = {event.get("name") for event in json.load(f)["traceEvents"]}
+        phases = {"gen", "old_log_prob", "ref", "values", "update_critic", "update_actor"}
+        assert phases <= events, (name, phases - events)
 
 
 def test_reward_model_scores_the_last_response_token(worker_groups, reference_run, tiny_model_dir):
