@@ -64,6 +64,7 @@ def run_ppo(config: DictConfig, worker_groups=None) -> dict[str, float]:
     from hybridflow.single_controller.ray import WorkerDiedError
     from hybridflow.trainer.config import apply_rollout_correction_mode, validate_config
     from hybridflow.trainer.config.honesty import startup_notes
+    from hybridflow.trainer.ppo import run_summary
     from hybridflow.trainer.ppo.checkpointing import TrainerCheckpointer
     from hybridflow.trainer.ppo.workers_setup import ensure_ray
     from hybridflow.utils.checkpoint.preflight import CheckpointSaveError
@@ -74,7 +75,10 @@ def run_ppo(config: DictConfig, worker_groups=None) -> dict[str, float]:
     for note in startup_notes(config) + resolve_auto_placement(config):  # (and the planner's choice)
         print(f"hybridflow: {note}", flush=True)
     torch.set_num_threads(1)  # the driver only moves batches and does light maths
-    TrainerCheckpointer(config.trainer).preflight(config)  # a bad checkpoint dir fails in seconds
+    checkpointer = TrainerCheckpointer(config.trainer)
+    checkpointer.preflight(config)  # a bad checkpoint dir fails in seconds
+    for line in run_summary.start_lines(config, checkpointer.latest()):  # folders, resume, model, backend
+        print(f"hybridflow: {line}", flush=True)
     started_ray = ensure_ray(config.ray_init)
     stop, trainer, groups, judge = StopRequest(), None, worker_groups, None
     with stop:  # from here SIGTERM/SIGINT finish the step, save, stop (trainer/ppo/preemption.py)
@@ -106,6 +110,8 @@ def run_ppo(config: DictConfig, worker_groups=None) -> dict[str, float]:
                 if trainer is not None:
                     trainer.tracker.finish()
                     _plot(config, trainer.tracker)
+                    for line in run_summary.end_lines(config, trainer.global_steps, checkpointer.latest()):
+                        print(f"hybridflow: {line}", flush=True)
                 write_ray_timeline(config.ray_init.get("timeline_json_file"))
             finally:
                 if judge is not None:

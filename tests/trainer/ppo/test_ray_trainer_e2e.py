@@ -84,12 +84,28 @@ def reference_run(worker_groups, tiny_model_dir, arithmetic_data, tmp_path_facto
             "critic.enable": False,
         },
     )
-    with pytest.MonkeyPatch.context() as patch:
+    import contextlib
+    import io
+
+    said = io.StringIO()  # what the driver tells its user (the run summary's lines)
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(said):
         patch.chdir(tmp)
         last = run_ppo(config, worker_groups=worker_groups)
     prompts = _greedy_prompts(tiny_model_dir)
     greedy = worker_groups.actor_rollout.generate_sequences(prompts)
-    return {"dir": tmp, "last": last, "prompts": prompts, "greedy": greedy}
+    return {"dir": tmp, "last": last, "prompts": prompts, "greedy": greedy, "said": said.getvalue()}
+
+
+def test_the_run_says_where_its_outputs_go_and_whether_it_resumes(reference_run):
+    """issue 46 item 3: the start names the folders, a fresh start (and that the same command would
+    resume, or that resuming is off), the model family and backend; the end names the step and where
+    the outputs are."""
+    said = reference_run["said"]
+    assert "hybridflow: outputs: metrics and curves in outputs/hybridflow/reference" in said
+    assert "hybridflow: starting fresh (trainer.resume_mode=disable" in said  # the tiny runs disable it
+    assert "(qwen2); rollout engine (sync) on cpu" in said
+    assert "hybridflow: stopped after step 4: metrics outputs/hybridflow/reference/metrics.jsonl" in said
+    assert f"hybridflow: checkpoints: {reference_run['dir'] / 'ckpt' / 'global_step_4'}" in said
 
 
 def _greedy_prompts(model_dir: str) -> DataProto:
