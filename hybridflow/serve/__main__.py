@@ -139,8 +139,23 @@ def build_service(args: argparse.Namespace):
     )
 
 
+def model_dir_problem(model: str) -> str | None:
+    """Why ``--model`` is not a local Hugging Face model directory (None when it is one)."""
+    path = os.path.expanduser(model)
+    if not os.path.isdir(path):
+        what = "is a file, not a directory" if os.path.exists(path) else "does not exist"
+        return f"--model {model}: the model directory {what} (give a local Hugging Face model directory)"
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return f"--model {model}: the directory has no config.json (not a Hugging Face model directory)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    problem = model_dir_problem(args.model)
+    if problem is not None:  # one line, before anything loads (not transformers' traceback about repo ids)
+        print(f"hybridflow.serve: error: {problem}", file=sys.stderr, flush=True)
+        sys.exit(2)
     if args.backend == "vllm":
         run_vllm(args)
         return

@@ -1,8 +1,9 @@
 """Entry point: ``python -m hybridflow.trainer.fully_async_main key=value ...`` (verl's fully-async
 trainer: ``recipe/fully_async_policy``), with ``config/fully_async_ppo_trainer.yaml``.
 
-Exit codes as ``main_ppo``: 0 done; 1 an error reported in one line; 128 + signal after a
-SIGTERM/SIGINT stop (the step finishes, a checkpoint is saved).
+Exit codes as ``main_ppo``: 0 done; 2 a config mistake (one line, before Ray starts); 1 an error
+reported in one line; 128 + signal after a SIGTERM/SIGINT stop (the step finishes, a checkpoint is
+saved).
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from hybridflow.trainer.hydra_entry import hydra_entry  # noqa: E402
 from hybridflow.trainer.ppo.preemption import TrainingPreempted  # noqa: E402
 
 
-@hydra.main(config_path="config", config_name="fully_async_ppo_trainer", version_base=None)
+@hydra_entry("fully_async_ppo_trainer")
 def main(config: DictConfig) -> None:
     from hybridflow.trainer.fully_async.main import run_fully_async
     from hybridflow.trainer.fully_async.message_queue import RolloutStopped

@@ -29,13 +29,14 @@ import json  # noqa: E402
 import math  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 
-import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from hybridflow.trainer.hydra_entry import hydra_entry  # noqa: E402
 
 PASS_THRESHOLD = 1.0  # a response is correct when its score is at least this
 
 
-@hydra.main(config_path="config", config_name="evaluation", version_base=None)
+@hydra_entry("evaluation")
 def main(config: DictConfig) -> None:
     run_eval(config)
 
@@ -71,11 +72,12 @@ def run_eval(config: DictConfig) -> dict[str, dict[str, float]]:
 
 def validate_eval_config(config: DictConfig) -> None:
     """Raise :class:`ConfigError` listing every problem of a composed evaluation config."""
-    from hybridflow.trainer.config import CONFIG_DIR, ConfigError, unknown_keys
+    from hybridflow.trainer.config import CONFIG_DIR, ConfigError
     from hybridflow.trainer.config.honesty import evaluation_problems
+    from hybridflow.trainer.config.mistakes import unknown_key_problems
 
     schema = OmegaConf.load(CONFIG_DIR / "evaluation.yaml")
-    problems = [f"unknown config key {k!r} (not in evaluation.yaml)" for k in unknown_keys(config, schema)]
+    problems = unknown_key_problems(config, schema, "evaluation.yaml")
     problems += evaluation_problems(config)
     if not config.data.path or not os.path.isfile(os.path.expanduser(str(config.data.path))):
         problems.append(f"data.path: parquet {config.data.path!r} does not exist")

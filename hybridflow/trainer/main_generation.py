@@ -16,15 +16,16 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: no OpenMP spin-waiting
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from hybridflow.trainer.hydra_entry import hydra_entry  # noqa: E402
 
 RESPONSES_COLUMN = "responses"
 ENGINE_NAMES = ("engine", "vllm")  # hybridflow's engine, or vLLM itself
 HF_NAME = "hf"  # HF generate: image rows of a vision-language model (trainer/vision_generation.py)
 
 
-@hydra.main(config_path="config", config_name="generation", version_base=None)
+@hydra_entry("generation")
 def main(config: DictConfig) -> None:
     run_generation(config)
 
@@ -98,13 +99,14 @@ def run_generation(config: DictConfig) -> str:
 
 def validate_generation_config(config: DictConfig) -> None:
     """Raise :class:`ConfigError` listing every problem of a composed generation config."""
-    from hybridflow.trainer.config import CONFIG_DIR, ConfigError, device_problems, unknown_keys
+    from hybridflow.trainer.config import CONFIG_DIR, ConfigError, device_problems
     from hybridflow.trainer.config.honesty import generation_problems
+    from hybridflow.trainer.config.mistakes import unknown_key_problems
     from hybridflow.utils.dataset.rl_dataset import TRUNCATIONS
     from hybridflow.workers.rollout.engine_rollout import DTYPES
 
     schema = OmegaConf.load(CONFIG_DIR / "generation.yaml")
-    problems = [f"unknown config key {k!r} (not in generation.yaml)" for k in unknown_keys(config, schema)]
+    problems = unknown_key_problems(config, schema, "generation.yaml")
     data, rollout, trainer = config.data, config.rollout, config.trainer
     if not data.path or not os.path.isfile(os.path.expanduser(str(data.path))):
         problems.append(f"data.path: input parquet {data.path!r} does not exist")

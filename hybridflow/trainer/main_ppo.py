@@ -3,9 +3,11 @@
 Also ``--config-path DIR --config-name NAME`` with a user YAML whose defaults list ``ppo_trainer``.
 The config is validated completely, and the checkpoint directory probed, before Ray starts.
 
-Exit codes: 0 done; 1 an error reported in one line (checkpoint directory unusable, a save that
-failed, no complete checkpoint to resume from, a reward function that raised or timed out; other
-errors keep their traceback); 124 a reward function stuck in native code
+Exit codes: 0 done; 2 a config mistake, reported in one line before anything starts (an unknown key
+with the nearest valid one, a size that is not positive, a missing file: ``hydra_entry.py``;
+``HYDRA_FULL_ERROR=1`` keeps the traceback); 1 an error reported in one line (checkpoint directory
+unusable, a save that failed, no complete checkpoint to resume from, a reward function that raised or
+timed out; other errors keep their traceback); 124 a reward function stuck in native code
 (``workers/reward_manager/timeouts.py``); 128 + signal after a SIGTERM/SIGINT stop (143 / 130;
 ``trainer/ppo/preemption.py``).
 """
@@ -18,13 +20,13 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
+from hybridflow.trainer.hydra_entry import hydra_entry  # noqa: E402
 from hybridflow.trainer.ppo.preemption import StopRequest, TrainingPreempted  # noqa: E402
 
 
-@hydra.main(config_path="config", config_name="ppo_trainer", version_base=None)
+@hydra_entry("ppo_trainer")
 def main(config: DictConfig) -> None:
     try:
         run_ppo(config)

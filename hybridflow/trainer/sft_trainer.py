@@ -12,11 +12,12 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
+from hybridflow.trainer.hydra_entry import hydra_entry  # noqa: E402
 
-@hydra.main(config_path="config", config_name="sft_trainer", version_base=None)
+
+@hydra_entry("sft_trainer")
 def main(config: DictConfig) -> None:
     run_sft(config)
 
@@ -100,11 +101,12 @@ def run_sft(config: DictConfig) -> list[dict[str, float]]:
 
 def validate_sft_config(config: DictConfig) -> None:
     """Raise :class:`ConfigError` listing every problem of a composed SFT config, one line each."""
-    from hybridflow.trainer.config import CONFIG_DIR, ConfigError, _check_device, unknown_keys
+    from hybridflow.trainer.config import CONFIG_DIR, ConfigError, _check_device
     from hybridflow.trainer.config.honesty import sft_problems
+    from hybridflow.trainer.config.mistakes import unknown_key_problems
 
     schema = OmegaConf.load(CONFIG_DIR / "sft_trainer.yaml")
-    problems = [f"unknown config key {k!r} (not in sft_trainer.yaml)" for k in unknown_keys(config, schema)]
+    problems = unknown_key_problems(config, schema, "sft_trainer.yaml")
     files = config.data.train_files
     for path in [files] if isinstance(files, str) else list(files or []):
         if not os.path.isfile(os.path.expanduser(str(path))):

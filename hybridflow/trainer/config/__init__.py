@@ -2,7 +2,8 @@
 
 ``ppo_trainer.yaml`` is the single source of truth for key names and defaults. A composed config
 (CLI overrides, or a user YAML that lists ``ppo_trainer`` in its defaults) is checked against it:
-unknown keys, impossible batch divisibility, missing files, unregistered algorithm names and settings
+unknown keys (with the nearest valid key), sizes and counts that are not positive, impossible batch
+divisibility, missing files, unregistered algorithm names and settings
 whose effect hybridflow does not deliver (:mod:`.honesty`) are all collected and reported in one
 :class:`ConfigError` before Ray starts.
 """
@@ -16,22 +17,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-CONFIG_DIR = Path(__file__).parent  # the YAML files live beside this module
-
-# Sections whose content is free-form (passed through to a model config, an engine, a manager).
-FREE_FORM_KEYS = frozenset(
-    {
-        "override_config",
-        "engine_kwargs",
-        "reward_kwargs",
-        "mixed_precision",
-        "wrap_policy",
-        "custom_cls",
-        "resource_pool_spec",
-        "role_pool_mapping",
-    }
-)
-
+from hybridflow.trainer.config.schema import CONFIG_DIR, FREE_FORM_KEYS, unknown_keys  # noqa: F401
 
 # verl's typed sections, defined beside the code that reads them (lower layers) and importable from
 # here, verl's path: ``from hybridflow.trainer.config import AlgoConfig``. Loaded on first use.
@@ -69,7 +55,8 @@ def load_config(
     config_dir: str | os.PathLike | None = None,
 ) -> DictConfig:
     """Compose the config exactly as ``main_ppo`` does (Hydra), with verl-style ``key=value``
-    overrides; an override of a key that does not exist is a :class:`ConfigError`."""
+    overrides; an override of a key that does not exist is a :class:`ConfigError` naming the nearest
+    valid key."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import ConfigCompositionException
 
@@ -77,32 +64,22 @@ def load_config(
         try:
             return compose(config_name=config_name, overrides=list(overrides or []))
         except ConfigCompositionException as err:
+            from hybridflow.trainer.config.mistakes import override_problems
+
+            misspelled = override_problems(list(overrides or []), config_name, [config_dir])
+            if misspelled:  # the nearest valid key, rather than Hydra's "not in struct"
+                raise ConfigError("invalid config:\n  - " + "\n  - ".join(misspelled)) from err
             raise ConfigError(f"{err}: {err.__cause__}" if err.__cause__ else str(err)) from err
-
-
-def unknown_keys(config: DictConfig, schema: DictConfig, prefix: str = "") -> list[str]:
-    """Dotted paths present in ``config`` but not in ``schema`` (free-form sections excepted)."""
-    found = []
-    for key in config.keys():
-        path = f"{prefix}{key}"
-        if key not in schema:
-            found.append(path)
-        elif (
-            key not in FREE_FORM_KEYS
-            and isinstance(config[key], DictConfig)
-            and isinstance(schema[key], DictConfig)
-        ):
-            found.extend(unknown_keys(config[key], schema[key], f"{path}."))
-    return found
 
 
 def validate_config(config: DictConfig) -> None:
     """Raise :class:`ConfigError` listing every problem found."""
-    problems = [
-        f"unknown config key {k!r} (not in ppo_trainer.yaml)" for k in unknown_keys(config, load_schema())
-    ]
     from hybridflow.trainer.config.honesty import honesty_problems
+    from hybridflow.trainer.config.mistakes import BATCH_KEYS, bad_sizes, size_problems, unknown_key_problems
 
+    problems = unknown_key_problems(config, load_schema(), "ppo_trainer.yaml")
+    sizes = bad_sizes(config)  # a size that is not positive: named as such, not as "not divisible"
+    problems += size_problems(sizes)
     checks = (
         _check_files,
         _check_placement,
@@ -114,7 +91,14 @@ def validate_config(config: DictConfig) -> None:
         honesty_problems,
     )
     for check in checks:
-        problems.extend(check(config))
+        if check is _check_batch_sizes and BATCH_KEYS.intersection(sizes):
+            continue
+        try:
+            problems.extend(check(config))
+        except (ArithmeticError, TypeError, ValueError):
+            if not sizes:
+                raise
+            # the check computes with a size named above (0, a negative, a string): that line is the fix
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
 

@@ -19,15 +19,11 @@ ASYNC_SECTIONS = ("rollout", "async_training")
 
 def fully_async_problems(config: DictConfig) -> list[str]:
     """What is wrong with the fully-async sections (the PPO part is checked by ``validate_config``)."""
-    from hybridflow.trainer.config import CONFIG_DIR, unknown_keys
     from hybridflow.trainer.config.async_honesty import fully_async_honesty_problems
+    from hybridflow.trainer.config.mistakes import entry_schema, unknown_key_problems
 
-    schema = OmegaConf.load(CONFIG_DIR / "fully_async_ppo_trainer.yaml")
-    problems = [
-        f"unknown config key {key!r} (not in fully_async_ppo_trainer.yaml)"
-        for section in ASYNC_SECTIONS
-        for key in unknown_keys(config[section], schema[section], f"{section}.")
-    ]
+    schema = entry_schema("fully_async_ppo_trainer")
+    problems = unknown_key_problems(config, schema, "fully_async_ppo_trainer.yaml", sections=ASYNC_SECTIONS)
     asynchronous = config.async_training
     if float(asynchronous.staleness_threshold) < 0:
         problems.append(
