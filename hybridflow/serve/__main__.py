@@ -20,6 +20,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--served-model-name", default=None, help="the name clients send as `model` (default: --model)"
     )
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the engine's weights and KV cache live (cuda: the first visible GPU)",
+    )
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's max positions")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument(
@@ -47,7 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-n", type=int, default=32, help="samples per request at most")
     parser.add_argument("--max-prompts", type=int, default=32, help="prompts per /v1/completions request")
     parser.add_argument(
-        "--max-waiting", type=int, default=256, help="queued requests before new ones get 503 + Retry-After"
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="sequences (n per request) queued beyond the KV-cache slots before 503 + Retry-After",
     )
     parser.add_argument("--max-request-bytes", type=int, default=4 << 20, help="the largest request body")
     parser.add_argument(
@@ -74,6 +83,13 @@ def run_vllm(args: argparse.Namespace) -> None:
     problems = model_problems(transformers.AutoConfig.from_pretrained(os.path.expanduser(args.model)))
     if problems:
         sys.exit(f"hybridflow.serve --backend vllm: {'; '.join(problems)}")
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM-CPU's legacy variable would override the flag
+    os.execv(sys.executable, vllm_command(args))
+
+
+def vllm_command(args: argparse.Namespace) -> list[str]:
+    """vLLM's OpenAI server command for these flags: the model, limits, KV budget (:func:`vllm_kv_bytes`),
+    batched tokens and API key reach it as vLLM's own flags."""
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", args.model,
@@ -90,8 +106,21 @@ def run_vllm(args: argparse.Namespace) -> None:
         command += ["--max-model-len", str(args.max_model_len)]
     if args.api_key:  # vLLM's server guards /v1/* with the same bearer key
         command += ["--api-key", args.api_key]
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(args.kv_cache_memory_gb or 1.0)))
-    os.execv(sys.executable, command)
+    command += ["--max-num-batched-tokens", str(max(args.max_num_batched_tokens, args.max_model_len or 0))]
+    command += ["--kv-cache-memory-bytes", str(vllm_kv_bytes(args))]
+    return command
+
+
+def vllm_kv_bytes(args: argparse.Namespace) -> int:
+    """The KV budget handed to vLLM: ``--kv-cache-memory-gb``, else ``--gpu-memory-utilization`` x the
+    free RAM (as the engine sizes its own), else 1 GiB."""
+    if args.kv_cache_memory_gb is not None:
+        return int(args.kv_cache_memory_gb * 2**30)
+    if args.gpu_memory_utilization is not None:
+        from hybridflow.workers.rollout.engine_rollout import available_ram_bytes
+
+        return int(args.gpu_memory_utilization * available_ram_bytes())
+    return 2**30
 
 
 def _has_hermes_tokens(model: str) -> bool:
@@ -118,7 +147,7 @@ def build_service(args: argparse.Namespace):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     module = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     max_len = int(args.max_model_len or module.config.max_position_embeddings)
-    model = EngineModel.from_hf_module(module, max_len, dtype=dtype)
+    model = EngineModel.from_hf_module(module, max_len, dtype=dtype, device=torch.device(args.device))
     del module
     settings = {
         "max_model_len": max_len,
@@ -156,6 +185,12 @@ def main(argv: list[str] | None = None) -> None:
     if problem is not None:  # one line, before anything loads (not transformers' traceback about repo ids)
         print(f"hybridflow.serve: error: {problem}", file=sys.stderr, flush=True)
         sys.exit(2)
+    if args.device == "cuda" and args.backend == "engine":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("hybridflow.serve: error: --device cuda: no CUDA GPU is visible here", file=sys.stderr)
+            sys.exit(2)
     if args.backend == "vllm":
         run_vllm(args)
         return

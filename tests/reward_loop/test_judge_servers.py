@@ -65,6 +65,12 @@ def test_the_pool_and_engine_keys_become_server_flags(tiny_model_dir):
     )
     flags = dict(zip(verl_budget.server_args[::2], verl_budget.server_args[1::2], strict=True))
     assert flags["--gpu-memory-utilization"] == "0.25" and "--kv-cache-memory-gb" not in flags
+    on_gpu = _config(tiny_model_dir, "trainer.device=cuda")
+    on_gpu.trainer.device = (
+        "cuda"  # (validation would refuse it on this CPU machine; the flags are what count)
+    )
+    flags = RewardModelServers.from_config(on_gpu).server_args
+    assert flags[flags.index("--device") + 1] == "cuda"  # the judge is not left on the CPU
 
 
 def _ask(address: str) -> str:

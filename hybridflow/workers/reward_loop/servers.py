@@ -84,6 +84,8 @@ class RewardModelServers:
             args += ["--kv-cache-memory-gb", str(float(served.kv_cache_memory_gb))]
         else:  # verl's fraction, shared by the replicas that start together from one free-memory reading
             args += ["--gpu-memory-utilization", str(float(served.gpu_memory_utilization) / replicas)]
+        if str(trainer.get("device", "cpu")) == "cuda":  # the judge beside the trainer, on its GPUs
+            args += ["--device", "cuda"]
         dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(served.get("dtype"), served.get("dtype"))
         if dtype is not None:
             args += ["--dtype", str(dtype)]
