@@ -21,9 +21,11 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from hybridflow.trainer.config.distill_honesty import distill_problems
 from hybridflow.trainer.config.parallelism import (
+    device_type,
     role_world_size,
     sequence_parallel_problems,
     tensor_parallel_problems,
+    tp_size,
 )
 from hybridflow.trainer.config.profiler_honesty import profiler_problems
 from hybridflow.trainer.config.reward_loop_honesty import reward_loop_problems
@@ -264,7 +266,7 @@ def _engine_capture_problems(config: DictConfig) -> list[str]:
     """``enforce_eager=false`` (verl's default) captures the engine's decode step in CUDA graphs on
     CUDA; with tensor-parallel generation (collectives inside the step) that is not implemented."""
     rollout = config.actor_rollout_ref.rollout
-    tp = int(rollout.get("tensor_model_parallel_size") or 1)
+    tp = tp_size(config, "actor_rollout_ref.rollout")
     sizes = rollout.get("cudagraph_capture_sizes")
     if sizes is not None and (
         not isinstance(sizes, (list, ListConfig)) or not all(isinstance(x, int) and x >= 1 for x in sizes)
@@ -272,7 +274,7 @@ def _engine_capture_problems(config: DictConfig) -> list[str]:
         return [
             f"actor_rollout_ref.rollout.cudagraph_capture_sizes={sizes} must be null or a list of ints >= 1"
         ]
-    if str(config.trainer.get("device", "cpu")) == "cuda" and tp > 1 and not rollout.get("enforce_eager"):
+    if device_type(config) == "cuda" and tp > 1 and not rollout.get("enforce_eager"):
         return [
             f"actor_rollout_ref.rollout.enforce_eager=false captures the engine's decode step in CUDA "
             f"graphs, which is not implemented with tensor_model_parallel_size={tp} (its collectives): "
@@ -302,14 +304,14 @@ def _rollout_backend_problems(config: DictConfig) -> list[str]:
         return []
     from hybridflow.workers.rollout.vllm_rollout import vllm_config_problems, vllm_unavailable_reason
 
-    actor_tp = int(config.actor_rollout_ref.actor.get("tensor_model_parallel_size") or 1)
+    actor_tp = tp_size(config, "actor_rollout_ref.actor")
     problems = [f"actor_rollout_ref.{line}" for line in vllm_config_problems(rollout, actor_tp)]
     if rollout.get("cudagraph_capture_sizes") is not None:  # vLLM takes its own through engine_kwargs
         problems.append(
             "actor_rollout_ref.rollout.cudagraph_capture_sizes is the embedded engine's; for vLLM pass "
             "engine_kwargs.vllm.compilation_config.cudagraph_capture_sizes: remove it"
         )
-    reason = vllm_unavailable_reason(str(config.trainer.device))
+    reason = vllm_unavailable_reason(device_type(config))
     if reason is not None:
         return [*problems, f"actor_rollout_ref.rollout.name=vllm cannot run: {reason}"]
     return problems + _vllm_model_problems(config.actor_rollout_ref.model)

@@ -175,6 +175,11 @@ def sp_size(config: DictConfig, section: str) -> int:
     return value if isinstance(value, int) else 1
 
 
+def device_type(config: DictConfig) -> str:
+    """``trainer.device`` as every feature's check reads it (``cpu`` when unset)."""
+    return str(OmegaConf.select(config, "trainer.device", default="cpu") or "cpu")
+
+
 def tp_size(config: DictConfig, section: str) -> int:
     """The tensor-parallel size of role ``section`` (1 when unset or not an integer)."""
     value = _size(config, section)

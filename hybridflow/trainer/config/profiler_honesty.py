@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from hybridflow.trainer.config.parallelism import device_type
 from hybridflow.utils.profiler import TOOLS, TORCH_CONTENTS
 
 # profiler role -> (its config section, the fsdp_config whose pool runs it)
@@ -84,7 +85,7 @@ def _global_problems(config: DictConfig, profiler: dict) -> list[str]:
             f"global_profiler.steps={steps} is set but global_profiler.tool is null, so nothing is profiled: "
             "set global_profiler.tool=torch (or torch_memory on CUDA)"
         )
-    if tool == "torch_memory" and str(config.trainer.device) != "cuda":
+    if tool == "torch_memory" and device_type(config) != "cuda":
         problems.append(
             f"global_profiler.tool=torch_memory records the CUDA allocator's history, and trainer.device="
             f"{config.trainer.device} has none: on the CPU use global_profiler.tool=torch with "
@@ -137,7 +138,7 @@ def _role_problems(config: DictConfig, role: str, profiler: dict, cfg: dict) -> 
         problems.append(
             f"{key}.tool_config.torch.contents={contents!r}: use a list of {list(TORCH_CONTENTS)}"
         )
-    elif "cuda" in contents and str(config.trainer.device) != "cuda":
+    elif "cuda" in contents and device_type(config) != "cuda":
         problems.append(
             f"{key}.tool_config.torch.contents lists cuda, and trainer.device={config.trainer.device} runs "
             "no CUDA activity: remove it"
