@@ -83,6 +83,8 @@ MODULE_TABLE: dict[str, str | tuple[str, ...]] = {
     "verl.utils.reward_score": "hybridflow.utils.reward_score",
     "verl.utils.reward_score.gsm8k": "hybridflow.utils.reward_score.gsm8k",
     "verl.utils.reward_score.math_reward": "hybridflow.utils.reward_score.math_reward",
+    "verl.utils.reward_score.sandbox_fusion": "hybridflow.utils.reward_score.sandbox_fusion",
+    "verl.utils.reward_score.sandbox_fusion.utils": "hybridflow.utils.reward_score.sandbox_fusion.utils",
     "verl.utils.rollout_trace": "hybridflow.utils.rollout_trace",
     "verl.utils.seqlen_balancing": "hybridflow.utils.seqlen_balancing",
     "verl.utils.tensordict_utils": "hybridflow.utils.tensordict_utils",
@@ -102,6 +104,7 @@ MODULE_TABLE: dict[str, str | tuple[str, ...]] = {
     "verl.tools": "hybridflow.workers.rollout.tools",
     "verl.tools.base_tool": "hybridflow.workers.rollout.tools.base_tool",
     "verl.tools.gsm8k_tool": "hybridflow.workers.rollout.tools.gsm8k_tool",
+    "verl.tools.sandbox_fusion_tools": "hybridflow.workers.rollout.tools.sandbox_fusion_tool",
     # verl's agent_loop.py is our base, server_manager, worker and manager modules
     "verl.experimental.agent_loop": (_LOOP, f"{_LOOP}.manager", f"{_LOOP}.worker"),
     "verl.experimental.agent_loop.agent_loop": (
@@ -446,7 +449,10 @@ def _run_script(argv: list[str]) -> None:
     (and in the processes it starts); ``--install-hook`` / ``--remove-hook`` manage the start hook."""
     import runpy
 
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv and argv[0] in ("-h", "--help"):
+        print(_USAGE)
+        return
+    if not argv:
         raise SystemExit(_USAGE)
     if argv[0] in ("--install-hook", "--remove-hook"):
         if len(argv) > 2:

@@ -2,9 +2,10 @@
 
 Built in: ``openai/gsm8k`` (:mod:`.gsm8k`), ``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval``
 and ``HuggingFaceH4/MATH-500`` (:mod:`.math`; Math-Verify with ``use_math_verify=True``) as in verl,
-and ``hybridflow/arithmetic`` (:mod:`.arithmetic`). Each module's own ``compute_score`` keeps verl's
-signature (``gsm8k.compute_score(solution_str, ground_truth, method=...)``); what is registered here
-has verl's custom-reward signature::
+``hybridflow/arithmetic`` (:mod:`.arithmetic`), and ``codecontests``/``apps``/``codeforces``/``taco``
+(:mod:`.sandbox_fusion`: test cases run on a SandboxFusion server, ``sandbox_fusion_url=``). Each
+module's own ``compute_score`` keeps verl's signature (``gsm8k.compute_score(solution_str,
+ground_truth, method=...)``); what is registered here has verl's custom-reward signature::
 
     compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float | dict
 
@@ -27,7 +28,7 @@ from functools import cache
 from typing import Any
 
 # The built-in scorers register themselves into SCORERS on import.
-from hybridflow.utils.reward_score import arithmetic, gsm8k, math  # noqa: F401
+from hybridflow.utils.reward_score import arithmetic, gsm8k, math, sandbox_fusion  # noqa: F401
 from hybridflow.utils.reward_score.registry import SCORERS, ScoreFn, register_scorer
 
 # The arguments every scorer receives; anything else it names is an extra keyword it accepts.

@@ -10,6 +10,7 @@ Config keys read (verl's names, plus ``on_score_error``)::
       on_score_error: raise | zero  # hybridflow: what a raising / NaN / timed-out scorer does
       score_timeout_s: 300          # hybridflow: one scorer call (null: no limit)
       batch_timeout_s: 1800         # hybridflow: all of one batch's scoring (null: no limit)
+      sandbox_fusion: {url, max_concurrent, memory_limit_mb}  # code rows' test cases (:mod:`.sandbox_fusion`)
     data.max_response_length        # passed by the caller as max_resp_len
 """
 
@@ -27,6 +28,7 @@ from hybridflow.workers.reward_manager.dapo import cfg_get as _get
 from hybridflow.workers.reward_manager.dapo import overlong_settings
 from hybridflow.workers.reward_manager.naive import DEFAULT_BATCH_TIMEOUT_S, DEFAULT_SCORE_TIMEOUT_S
 from hybridflow.workers.reward_manager.registry import get_reward_manager_cls
+from hybridflow.workers.reward_manager.sandbox_fusion import sandbox_fusion_compute_score
 
 
 def _import_file(file: Path, module_name: str | None = None):
@@ -155,7 +157,8 @@ def build_reward_manager(
     kwargs["reward_fn_key"] = reward_fn_key
     if imported:  # a class written for verl: verl's arguments, and ours only where it names them
         kwargs = {k: v for k, v in kwargs.items() if k in accepted or k not in HYBRIDFLOW_MANAGER_KWARGS}
-    return cls(tokenizer, num_examine, compute_score=_custom_compute_score(custom_reward_cfg), **kwargs)
+    compute_score = _custom_compute_score(custom_reward_cfg) or sandbox_fusion_compute_score(reward_model_cfg)
+    return cls(tokenizer, num_examine, compute_score=compute_score, **kwargs)
 
 
 HYBRIDFLOW_MANAGER_KWARGS = ("on_score_error", "score_timeout_s", "batch_timeout_s")

@@ -34,7 +34,7 @@ PYTHON_TOOL_SCHEMA: dict[str, Any] = {
     },
 }
 _LIMIT_NAMES = [limit_field.name for limit_field in dataclasses.fields(SandboxLimits)]
-# verl's SandboxFusionTool config keys (its class path maps to this tool) -> our names
+# verl's SandboxFusionTool config keys that mean the same here -> our names
 VERL_CONFIG_ALIASES = {"default_timeout": "wall_timeout_s", "memory_limit_mb": "memory_mb"}
 
 

@@ -29,7 +29,7 @@ from hybridflow.workers.rollout.tools.base_tool import BaseTool, ToolSchema
 VERL_CLASS_ALIASES: dict[str, str] = {
     "verl.tools.gsm8k_tool.Gsm8kTool": "hybridflow.workers.rollout.tools.gsm8k_tool.Gsm8kTool",
     "verl.tools.sandbox_fusion_tools.SandboxFusionTool": (
-        "hybridflow.workers.rollout.tools.python_tool.PythonTool"
+        "hybridflow.workers.rollout.tools.sandbox_fusion_tool.SandboxFusionTool"  # an HTTP client of its URL
     ),
 }
 

@@ -229,9 +229,9 @@ def test_example_config_loads():
     assert tools["calc_gsm8k_reward"].tool_schema.required == ["answer"]
 
 
-def test_sandbox_alias_points_at_python_tool():
+def test_sandbox_alias_points_at_the_http_client():
     target = VERL_CLASS_ALIASES["verl.tools.sandbox_fusion_tools.SandboxFusionTool"]
-    assert target == "hybridflow.workers.rollout.tools.python_tool.PythonTool"
+    assert target == "hybridflow.workers.rollout.tools.sandbox_fusion_tool.SandboxFusionTool"
 
 
 def test_missing_file(tmp_path):
