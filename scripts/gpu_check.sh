@@ -14,11 +14,38 @@
 # prompts x 8, 256 tokens; TRL's own GRPOTrainer on the same model and prompts with --with-trl); tests/cuda
 # (the captured decode step first); a GRPO main_ppo on CUDA with a save and an exact resume.
 #
-# Run from the project's root after ../shared/device/README.md's install (PYTHONPATH=/tmp/site:$PWD).
+# Run from the project's root, hybridflow installed with a CUDA torch (docs/gpu.md), or on a lent host as below.
 # Environment: PY (python3), OUT ($OUT or ./gpu_check_out), XDIST (8: pytest-xdist processes for `suite`),
 # PEERS (../shared/peers or ./shared/peers: trl/trl_grpo_bench.py for --with-trl), INSTALL_S (25: the
 # install's seconds, counted in the plan), BUDGET_S (480: the plan must fit it).
 set -uo pipefail
+
+# On a lent, time-limited GPU host (how this project measures; a user with a GPU needs none of it): the host
+# gives 15 minutes, its 1-2 minute start included, and at most one 10-minute command. So the check is one call:
+# the install from ../shared/device (one carried folder, ~25 s, PYTHONPATH=/tmp/site), then this script, whose
+# phases run in priority order, each under its own `timeout`, each figure appended to $OUT/gpu_check.jsonl as
+# its phase ends ($OUT comes back even when the command is cut off):
+#
+#   bash .device/install.sh && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 && \
+#     OUT=$OUT PY=python3 scripts/gpu_check.sh all --with-trl
+#
+# `all --with-trl --dry-run` prints the plan, and tests/test_gpu_check_script.py holds it to <= 8 min with the
+# install. The phases of `all`, with their limits:
+#   engine_vs_hf          110 s  engine vs HF generate, 512 rows x 256 tokens, bf16, SmolLM2-135M's shape, fixed
+#                                and variable length, with step_profile: one full-batch decode step's aten ops,
+#                                host reads, ms per step, the profiler's kernel count, top kernels and GPU busy
+#                                time (benchmarks/rollout.py --profile-step)
+#   assets, grpo_step      15 + 80 s  our GRPO step on TRL's workload (64 prompts x 8, 256 tokens), one warm-up
+#                                step and one measured
+#   trl_data, trl_grpo_step 10 + 90 s  with --with-trl: TRL's GRPOTrainer on the same model and prompts (two
+#                                steps), then vs_trl (needs $PEERS/trl, the peer harness outside the repository)
+#   tests_cuda_graphs      45 s  tests/cuda/test_cuda_graphs.py: the captured step's tokens against the eager
+#                                step's, bf16 near-ties counted, one read per burst, padding, weight updates,
+#                                re-capture time
+#   resume_check          100 s  main_ppo on CUDA, 3 GRPO steps saved at 2, the resume repeating step 3 exactly
+# `tests` (the graph tests, then the rest of tests/cuda: GRPO, PPO, LoRA, exact resume and the merger through
+# main_ppo, > 80 s of Ray start) and `suite` (the CPU suite with the GPU visible) are calls of their own; `bench`
+# is the first two rows. Record the JSON lines in docs/benchmarks.md with the date and the machine.
 
 PHASE=${1:-}
 shift || true

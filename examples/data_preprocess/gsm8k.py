@@ -4,9 +4,10 @@ Same rows as verl's ``examples/data_preprocess/gsm8k.py``: ``data_source="openai
 question plus an instruction as one user message, ``ability="math"``,
 ``reward_model={"style": "rule", "ground_truth": N}`` (commas removed) and
 ``extra_info={"split", "index", "answer", "question"}``. Reads local files only:
-``<input_dir>/train.jsonl`` and ``<input_dir>/test.jsonl``.
+``<input_dir>/train.jsonl`` and ``<input_dir>/test.jsonl``, GSM8K as OpenAI publishes it
+(github.com/openai/grade-school-math, folder ``grade_school_math/data``; docs/models_and_data.md):
 
-    python examples/data_preprocess/gsm8k.py --input_dir ../shared/data/gsm8k --output_dir ~/data/gsm8k
+    python examples/data_preprocess/gsm8k.py --input_dir ~/data/gsm8k_jsonl --output_dir ~/data/gsm8k
 
 verl's flags are accepted: ``--local_dataset_path`` (input), ``--local_save_dir``/``--local_dir`` (output).
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 SPLITS = ("train", "test")
-DEFAULT_INPUT_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "gsm8k"
+DEFAULT_INPUT_DIR = "~/data/gsm8k_jsonl"  # where docs/models_and_data.md downloads train.jsonl and test.jsonl
 
 _SOLUTION = re.compile(r"#### (\-?[0-9\.\,]+)")
 
@@ -72,10 +73,20 @@ def convert(input_dir: str | Path, output_dir: str | Path) -> dict[str, Path]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--input_dir", "--local_dataset_path", dest="input_dir", default=str(DEFAULT_INPUT_DIR)
+        "--input_dir",
+        "--local_dataset_path",
+        dest="input_dir",
+        default=DEFAULT_INPUT_DIR,
+        help="folder holding GSM8K's train.jsonl and test.jsonl, from github.com/openai/grade-school-math "
+        "(grade_school_math/data) (default: %(default)s)",
     )
     parser.add_argument(
-        "--output_dir", "--local_save_dir", "--local_dir", dest="output_dir", default="~/data/gsm8k"
+        "--output_dir",
+        "--local_save_dir",
+        "--local_dir",
+        dest="output_dir",
+        default="~/data/gsm8k",
+        help="where train.parquet and test.parquet go (default: %(default)s)",
     )
     args = parser.parse_args(argv)
     for split, path in convert(args.input_dir, args.output_dir).items():

@@ -42,7 +42,7 @@ VAL_KEY = "val-core/hybridflow/arithmetic/reward/mean@1"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--out", default="outputs/distill_example")
     parser.add_argument(
         "--stage",
@@ -111,7 +111,7 @@ def build_models(args, out: Path, which: tuple[str, ...] = ("teacher", "student"
 def fine_tune(
     base: Path, sft_file: Path, target: Path, steps: int, seed: int, lr: float = 1e-3, on_save=None
 ) -> float:
-    """Supervised fine-tuning in this process (a plain PyTorch loop, 2 threads: for a 2.5M-parameter
+    """Supervised fine-tuning in this process (a plain PyTorch loop, 2 threads: for a 1.9M-parameter
     model the worker-group path's per-step overhead is most of a step): batches of 128 problems,
     cross-entropy on the answer tokens and the end of turn only. Returns the seconds it took.
 

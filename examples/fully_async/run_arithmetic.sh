@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Fully asynchronous GRPO on the built-in arithmetic task, on CPU: one trainer process, one rollout
-# process, staleness 1, partial rollout, token-level IS correction (docs/async_training.md).
+# process, staleness 1, partial rollout, token-level IS correction (old log-probs recomputed by the
+# trainer, weighted against the rollout's: algorithm.rollout_correction.rollout_is=token;
+# docs/async_training.md).
 #
 #   examples/fully_async/run_arithmetic.sh RUN_DIR [MODEL_DIR] [extra fully_async_main overrides...]
 #
@@ -12,7 +14,7 @@
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-    sed -n '2,11p' "$0" >&2
+    sed -n '2,13p' "$0" >&2
     exit 2
 fi
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -46,5 +48,6 @@ exec "$PYTHON" -m hybridflow.trainer.fully_async_main \
     trainer.num_threads_per_worker=1 trainer.total_training_steps="$STEPS" \
     trainer.test_freq=10 trainer.save_freq=10 trainer.logger='[console,jsonl]' \
     async_training.staleness_threshold=1 async_training.trigger_parameter_sync_step=1 \
-    async_training.partial_rollout=true async_training.use_rollout_log_probs=true \
+    async_training.partial_rollout=true async_training.use_rollout_log_probs=false \
+    algorithm.rollout_correction.rollout_is=token \
     "$@"

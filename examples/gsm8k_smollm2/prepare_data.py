@@ -17,7 +17,13 @@ Every row: ``data_source``, ``prompt`` (one user message), ``ability``,
 ``reward_model={"style": "rule", "ground_truth": str}``, ``extra_info`` (``split``, ``index``,
 ``question``, ``answer``; reasoning-gym rows add ``metadata`` as a JSON string).
 
-    python examples/gsm8k_smollm2/prepare_data.py --output_dir ~/data/gsm8k_smollm2
+GSM8K is read from ``--gsm8k_dir`` (default ``~/data/gsm8k_jsonl``): OpenAI's ``train.jsonl`` and
+``test.jsonl`` from github.com/openai/grade-school-math (``grade_school_math/data``), downloaded as
+docs/models_and_data.md shows. The reasoning-gym task needs no download (``pip install reasoning-gym``,
+the ``recipes`` extra).
+
+    python examples/gsm8k_smollm2/prepare_data.py --gsm8k_dir ~/data/gsm8k_jsonl \
+        --output_dir ~/data/gsm8k_smollm2
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 GSM8K_SCRIPT = REPO / "examples" / "data_preprocess" / "gsm8k.py"
-DEFAULT_GSM8K_DIR = REPO / ".." / "shared" / "data" / "gsm8k"
+DEFAULT_GSM8K_DIR = "~/data/gsm8k_jsonl"  # GSM8K's train.jsonl and test.jsonl (docs/models_and_data.md)
 DEFAULT_OUTPUT_DIR = "~/data/gsm8k_smollm2"
 
 GSM8K_TEST_SUBSET = 200  # first N rows of test.jsonl, in file order
@@ -175,7 +181,12 @@ def prepare(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output_dir", default=DEFAULT_OUTPUT_DIR)
-    parser.add_argument("--gsm8k_dir", default=str(DEFAULT_GSM8K_DIR))
+    parser.add_argument(
+        "--gsm8k_dir",
+        default=DEFAULT_GSM8K_DIR,
+        help="folder holding GSM8K's train.jsonl and test.jsonl, from github.com/openai/grade-school-math "
+        "(grade_school_math/data) (default: %(default)s)",
+    )
     parser.add_argument(
         "--rg_preset",
         action="append",

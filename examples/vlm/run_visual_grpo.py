@@ -212,7 +212,9 @@ def summarise(metrics_file: Path, chance: float) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=" ".join(__doc__.split("\n\n")[0].split()).removesuffix("::") + "."
+    )
     parser.add_argument("--out", default="outputs/vlm_example")
     parser.add_argument("--sft-minutes", type=float, default=4.0)
     parser.add_argument("--teacher-accuracy", type=float, default=0.4)
