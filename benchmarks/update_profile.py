@@ -163,7 +163,9 @@ def main(argv=None) -> None:
             module = build_fsdp_module(config.actor_rollout_ref.model, fsdp_cfg, mesh)
         optimizer = build_optimizer(module.parameters(), actor_cfg.optim)
         cfg = OmegaConf.merge(actor_cfg, {"ppo_mini_batch_size": 64})  # rows per rank, after n
-        actor = dp_actor.DataParallelPPOActor(cfg, module, optimizer, response_length=WORKLOADS[args.workload][1])
+        actor = dp_actor.DataParallelPPOActor(
+            cfg, module, optimizer, response_length=WORKLOADS[args.workload][1]
+        )
         data = build_batch(args.workload)
         timer = PartTimer()
         originals = _instrument(timer, actor, dp_actor)
@@ -219,9 +221,7 @@ def _top_ops(actor, data, top: int = 15) -> list[dict]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         actor.update_policy(data)
     rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
-    return [
-        {"op": e.key, "calls": e.count, "self_ms": round(e.self_cpu_time_total / 1e3, 2)} for e in rows
-    ]
+    return [{"op": e.key, "calls": e.count, "self_ms": round(e.self_cpu_time_total / 1e3, 2)} for e in rows]
 
 
 def _machine(args, tokens: int) -> dict:
