@@ -99,11 +99,15 @@ def arithmetic_data(tmp_path_factory):
     return str(train), str(test)
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_terminal_summary(terminalreporter):
-    """Say whether the vLLM tests ran or why they were skipped, with their count (never a silent skip).
-    Read from the test reports, so it works under pytest-xdist too (the controller imports no test)."""
+    """Say whether the vLLM tests ran or why they were skipped, with their count (never a silent skip),
+    after the short test summary, just above the closing line. Read from the test reports, so it works
+    under pytest-xdist too (the controller imports no test)."""
+    result = yield
     from tests.vllm_support import vllm_summary_line
 
     line = vllm_summary_line(terminalreporter.stats)
     if line:
         terminalreporter.write_line(line, yellow="SKIPPED" in line, bold=True)
+    return result

@@ -116,6 +116,7 @@ def _run(model_dir, data, tmp, teacher, scheduler: str) -> dict[int, dict]:
 SAME = ("actor/distill_loss", "actor/pg_loss", "actor/grad_norm", "response_length/mean")
 
 
+@pytest.mark.slow  # a whole run; its parts are checked in the fast tier (make test <= 15 min)
 def test_three_steps_in_each_scheduler_mode(ray_session, tiny_model_dir, arithmetic_data, tmp_path, teacher):
     runs = {
         mode: _run(tiny_model_dir, arithmetic_data, tmp_path / mode, teacher, mode)

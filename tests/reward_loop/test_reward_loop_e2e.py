@@ -99,6 +99,7 @@ def _run_modes(modes, model_dir, data, tmp_path) -> tuple[dict, dict]:
     return records, rollouts
 
 
+@pytest.mark.slow  # a whole run; its parts are checked in the fast tier (make test <= 15 min)
 def test_main_ppo_serves_the_judge_colocated(ray_session, tiny_model_dir, arithmetic_data, tmp_path):
     _run_modes(["colocated"], tiny_model_dir, arithmetic_data, tmp_path)
 
@@ -111,6 +112,7 @@ def test_main_ppo_serves_the_judge_colocated_and_standalone(
     assert rollouts["colocated"] == rollouts["standalone"]  # same samples, same scores
 
 
+@pytest.mark.slow  # a whole run; its parts are checked in the fast tier (make test <= 15 min)
 def test_fully_async_scores_in_the_rollouters_stream(
     ray_session, vllm_model_dir, arithmetic_data, judge, tmp_path
 ):

@@ -8,6 +8,7 @@ the normalisation."""
 
 import os
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 
@@ -295,6 +296,7 @@ def test_two_processes_tp2_match_the_unsharded_model_and_checkpoint(tp_model_dir
         assert torch.equal(exported[name].detach(), tensor), name
 
 
+@pytest.mark.slow  # four processes; two-process TP stays in the fast tier (make test <= 15 min)
 def test_four_processes_tp4_and_tp2_with_fsdp_match_the_unsharded_model(tp_model_dir, tmp_path):
     _spawn(4, [4, 2], tp_model_dir, str(tmp_path))
     _check(tmp_path, tp_model_dir, world=4, tp=4)

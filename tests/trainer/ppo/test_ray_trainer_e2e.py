@@ -431,6 +431,7 @@ def test_multi_turn_grpo_runs_through_main_ppo_with_tools(
     assert metrics[2]["num_turns/min"] >= 1
 
 
+@pytest.mark.slow  # a whole run; its parts are checked in the fast tier (make test <= 15 min)
 def test_lora_grpo_trains_the_adapter_on_two_ranks(
     ray_session, tiny_model_dir, arithmetic_data, tmp_path, monkeypatch
 ):
