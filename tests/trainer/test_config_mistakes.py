@@ -28,20 +28,6 @@ def run_module(module: str, *args: str, cwd: Path, full_error: bool = False) -> 
     )
 
 
-@pytest.fixture()
-def base_overrides(tiny_model_dir, arithmetic_data):
-    train, test = arithmetic_data
-    return [
-        f"data.train_files={train}",
-        f"data.val_files={test}",
-        f"actor_rollout_ref.model.path={tiny_model_dir}",
-        "data.train_batch_size=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-        "actor_rollout_ref.rollout.n=2",
-    ]
-
-
 def problems_of(overrides: list[str]) -> list[str]:
     return problems_of_config(load_config(overrides))
 

@@ -7,21 +7,6 @@ from hybridflow.trainer.config import ConfigError, load_config, validate_config
 ACTOR, ROLLOUT = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 
 
-@pytest.fixture()
-def base_overrides(tiny_model_dir, arithmetic_data):
-    """2 workers, the tiny model (4 heads, 2 key-value heads, MLP 128, vocabulary 512)."""
-    train, test = arithmetic_data
-    return [
-        f"data.train_files={train}",
-        f"data.val_files={test}",
-        f"actor_rollout_ref.model.path={tiny_model_dir}",
-        "data.train_batch_size=4",
-        f"{ACTOR}.ppo_mini_batch_size=2",
-        f"{ACTOR}.ppo_micro_batch_size_per_gpu=2",
-        f"{ROLLOUT}.n=2",
-    ]
-
-
 @pytest.mark.parametrize(
     "layout",
     [

@@ -9,20 +9,6 @@ TORCH = ("global_profiler.tool=torch", "global_profiler.steps=[1,2]")
 ACTOR = "actor_rollout_ref.actor.profiler"
 
 
-@pytest.fixture()
-def base_overrides(tiny_model_dir, arithmetic_data):
-    train, test = arithmetic_data
-    return [
-        f"data.train_files={train}",
-        f"data.val_files={test}",
-        f"actor_rollout_ref.model.path={tiny_model_dir}",
-        "data.train_batch_size=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-        "actor_rollout_ref.rollout.n=2",
-    ]
-
-
 ACCEPTED = [
     (),  # off: verl's defaults
     ("global_profiler.tool=torch",),  # a tool without steps: nothing asked, nothing profiled

@@ -93,17 +93,3 @@ def test_no_limit_is_null(base_overrides):
     validate_config(
         load_config([*base_overrides, *nulls, "actor_rollout_ref.rollout.multi_turn.tool_timeout_s=null"])
     )
-
-
-@pytest.fixture
-def base_overrides(tiny_model_dir, arithmetic_data):
-    train, test = arithmetic_data
-    return [
-        f"data.train_files={train}",
-        f"data.val_files={test}",
-        f"actor_rollout_ref.model.path={tiny_model_dir}",
-        "data.train_batch_size=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-        "actor_rollout_ref.rollout.n=2",
-    ]
