@@ -212,9 +212,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _is_classifier(model: str) -> bool:
-    from hybridflow.serve.classify import is_classifier
+    from hybridflow.models.loading import is_sequence_classifier
 
-    return is_classifier(os.path.expanduser(model))
+    return is_sequence_classifier(model)
 
 
 def serve_classifier(args: argparse.Namespace) -> None:

@@ -24,7 +24,6 @@ import asyncio
 import uuid
 from typing import Any
 
-from hybridflow.models.loading import is_sequence_classifier as is_classifier  # noqa: F401 - the one test
 from hybridflow.serve.protocol import APIError, now
 
 
