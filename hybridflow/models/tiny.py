@@ -10,7 +10,10 @@ learnable column by column, and it carries a ChatML (Qwen-style) chat template. 
 matters: transformers 5 rebuilds a qwen2 directory's tokenizer with that regex on reload, so the
 same pre-tokenizer everywhere keeps in-memory and reloaded ids identical.
 
-CLI: ``python -m hybridflow.models.tiny --out DIR [--arch qwen2|llama] [--hidden-size N] ...``
+Mixture-of-experts architectures (``qwen2_moe``, ``qwen3_moe``, ``mixtral``) take ``num_experts`` experts of
+width ``intermediate_size``, ``num_experts_per_tok`` of them per token (docs/model_support.md).
+
+CLI: ``python -m hybridflow.models.tiny --out DIR [--arch qwen2|llama|qwen3_moe|...] [--hidden-size N] ...``
 """
 
 from __future__ import annotations
@@ -100,6 +103,8 @@ class TinyModelSpec:
     max_position_embeddings: int = 256
     vocab_size: int = 512
     tie_word_embeddings: bool = True
+    num_experts: int = 4  # mixture-of-experts architectures only
+    num_experts_per_tok: int = 2
 
 
 # arch name -> fn(spec, special token ids) -> transformers config
@@ -141,6 +146,53 @@ def _llama_config(spec: TinyModelSpec, ids: dict[str, int]):
     return LlamaConfig(**_common_config_kwargs(spec, ids))
 
 
+@CONFIG_BUILDERS.register("qwen3_moe")
+def _qwen3_moe_config(spec: TinyModelSpec, ids: dict[str, int]):
+    """Every layer sparse: ``num_experts`` experts of width ``intermediate_size``, top-k renormalised."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        **_common_config_kwargs(spec, ids),
+        moe_intermediate_size=spec.intermediate_size,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+
+
+@CONFIG_BUILDERS.register("qwen2_moe")
+def _qwen2_moe_config(spec: TinyModelSpec, ids: dict[str, int]):
+    """Sparse layers with a shared expert (its sigmoid gate) of width ``intermediate_size``; the last
+    layer a dense MLP (``mlp_only_layers``) when there are two or more."""
+    from transformers import Qwen2MoeConfig
+
+    return Qwen2MoeConfig(
+        **_common_config_kwargs(spec, ids),
+        moe_intermediate_size=spec.intermediate_size,
+        shared_expert_intermediate_size=spec.intermediate_size,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        decoder_sparse_step=1,
+        mlp_only_layers=[spec.num_layers - 1] if spec.num_layers > 1 else [],
+        use_sliding_window=False,
+    )
+
+
+@CONFIG_BUILDERS.register("mixtral")
+def _mixtral_config(spec: TinyModelSpec, ids: dict[str, int]):
+    """Every layer sparse, top-k renormalised, no sliding window."""
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        **_common_config_kwargs(spec, ids),
+        num_local_experts=spec.num_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        sliding_window=None,
+    )
+
+
 def build_tiny_model(
     out_dir: str | Path,
     texts: Iterable[str] | None = None,
@@ -154,12 +206,15 @@ def build_tiny_model(
     vocab_size: int = 512,
     seed: int = 0,
     tie_word_embeddings: bool = True,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
 ) -> Path:
     """Write a randomly initialised causal LM + tokenizer to ``out_dir`` and return the path.
 
     ``texts`` train the tokenizer (default: the built-in arithmetic task's texts). Weights come from
     ``torch.manual_seed(seed)``: the same arguments give byte-identical ``model.safetensors``. The
-    embedding has ``max(vocab_size, len(tokenizer))`` rows.
+    embedding has ``max(vocab_size, len(tokenizer))`` rows. ``num_experts`` and ``num_experts_per_tok``:
+    the mixture-of-experts architectures' experts (ignored by the dense ones).
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -178,6 +233,8 @@ def build_tiny_model(
         max_position_embeddings=max_position_embeddings,
         vocab_size=max(vocab_size, len(tokenizer)),
         tie_word_embeddings=tie_word_embeddings,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
     )
     ids = {"eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id}
     config = CONFIG_BUILDERS.get(arch)(spec, ids)

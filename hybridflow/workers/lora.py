@@ -11,6 +11,9 @@ the adapter differently:
 - **checkpoints** hold only the trainable (adapter) tensors (``FSDPCheckpointManager(trainable_only=True)``);
   the model merger re-attaches them to the base model for export.
 
+On a mixture-of-experts model ``all-linear`` means the attention and dense parts only
+(:func:`hybridflow.models.moe.dense_lora_targets`): routers, gates and experts are not adapted.
+
 Parameter names under peft look like
 ``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` and
 ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight``.
@@ -23,6 +26,8 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+
+from hybridflow.models.moe import dense_lora_targets, is_moe_config
 
 PEFT_PREFIX = "base_model.model."
 
@@ -40,18 +45,22 @@ def _target_modules(value):
     return [str(v) for v in value]
 
 
-def build_lora_config(model_cfg):
+def build_lora_config(model_cfg, model: nn.Module | None = None):
     """``peft.LoraConfig`` from the model section (lora_rank, lora_alpha, target_modules,
-    exclude_modules)."""
+    exclude_modules). ``all-linear`` on a mixture-of-experts ``model`` is its attention and dense
+    linears, by full name (:func:`hybridflow.models.moe.dense_lora_targets`)."""
     try:
         from peft import LoraConfig
     except ImportError as err:  # pragma: no cover - peft is in the models extra
         raise ImportError("LoRA needs peft: pip install -e '.[models]'") from err
     exclude = model_cfg.get("exclude_modules")
+    targets = _target_modules(model_cfg.get("target_modules", "all-linear"))
+    if targets == "all-linear" and model is not None and is_moe_config(model.config):
+        targets = dense_lora_targets(model)
     return LoraConfig(
         r=int(model_cfg.lora_rank),
         lora_alpha=float(model_cfg.get("lora_alpha", 16)),
-        target_modules=_target_modules(model_cfg.get("target_modules", "all-linear")),
+        target_modules=targets,
         exclude_modules=list(exclude) if isinstance(exclude, list | tuple) else exclude,
         lora_dropout=0.0,
         bias="none",
@@ -67,7 +76,7 @@ def apply_lora(model: nn.Module, model_cfg) -> nn.Module:
     adapter_path = model_cfg.get("lora_adapter_path")
     if adapter_path:
         return PeftModel.from_pretrained(model, str(adapter_path), is_trainable=True)
-    return get_peft_model(model, build_lora_config(model_cfg))
+    return get_peft_model(model, build_lora_config(model_cfg, model))
 
 
 def is_peft_model(module: nn.Module) -> bool:

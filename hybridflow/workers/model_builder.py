@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from hybridflow.models.attention import register_cpu_attention
+from hybridflow.models.moe import without_router_aux_loss
 from hybridflow.utils.device import device_type
 from hybridflow.workers.fsdp_utils import (
     apply_fsdp2,
@@ -91,6 +92,7 @@ def load_hf_model(model_cfg, kind: str, dtype: torch.dtype, seed: int = 0) -> nn
     )
     for key, value in (model_cfg.get("override_config") or {}).items():
         setattr(config, key, value)
+    without_router_aux_loss(config)  # an MoE router's auxiliary loss: not in the loss, as in verl
     # value and reward heads without dropout (verl sets the same three for its critic and reward model)
     no_dropout = {"classifier_dropout": 0.0, "hidden_dropout": 0.0, "summary_dropout_prob": 0.0}
     extra = {"num_labels": 1, **no_dropout} if kind != "causal_lm" else {}

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridflow import keys
+from hybridflow.models.moe import mlp_width_per_token
 from hybridflow.protocol import DataProto
 
 # Pack only when the estimated FLOPs drop by at least this fraction (estimates are rough).
@@ -89,7 +90,7 @@ def _flops(model_config, tokens: int, attended_pairs: float) -> float:
     heads = int(model_config.num_attention_heads)
     head_dim = int(getattr(model_config, "head_dim", None) or h // heads)
     kv = int(getattr(model_config, "num_key_value_heads", None) or heads) * head_dim
-    inter = int(getattr(model_config, "intermediate_size", 4 * h))
+    inter = mlp_width_per_token(model_config)  # a mixture of experts: the experts a token runs through
     per_token = 2 * layers * (h * (heads * head_dim + 2 * kv) + heads * head_dim * h + 3 * h * inter)
     return per_token * tokens + 4 * layers * heads * head_dim * attended_pairs
 

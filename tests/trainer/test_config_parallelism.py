@@ -64,3 +64,30 @@ def test_layouts_that_cannot_run_are_rejected(base_overrides, layout, message):
     with pytest.raises(ConfigError) as info:
         validate_config(load_config([*base_overrides, *layout]))
     assert message in str(info.value)
+
+
+@pytest.fixture()
+def moe_model_dir(tmp_path):
+    """A tiny Qwen3-MoE directory (config and weights: what the start-up checks read)."""
+    import torch
+    import transformers
+
+    from tests.tiny_configs import tiny_decoder_config
+
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(tiny_decoder_config("qwen3_moe")).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_mixture_of_experts_refuses_tensor_parallelism_and_takes_ulysses(base_overrides, moe_model_dir):
+    """An MoE model has no tensor- or expert-parallel plan: one line naming the key and the model type,
+    before Ray starts. Ulysses splits its attention only (routing is per token), so SP = 2 passes."""
+    moe = [*base_overrides, f"actor_rollout_ref.model.path={moe_model_dir}"]
+    with pytest.raises(ConfigError) as info:
+        validate_config(load_config([*moe, f"{ACTOR}.tensor_model_parallel_size=2"]))
+    assert (
+        "actor_rollout_ref.actor.tensor_model_parallel_size=2: tensor parallelism supports ('llama', "
+        "'mistral', 'qwen2', 'qwen3'), not 'qwen3_moe' (a mixture-of-experts model; expert parallelism is "
+        "not built either); set 1"
+    ) in str(info.value)
+    validate_config(load_config([*moe, f"{ACTOR}.ulysses_sequence_parallel_size=2"]))

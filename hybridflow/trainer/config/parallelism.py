@@ -16,6 +16,7 @@ import os
 
 from omegaconf import DictConfig, OmegaConf
 
+from hybridflow.models.moe import is_moe_config
 from hybridflow.utils.ulysses_rules import SP_KEY
 from hybridflow.utils.ulysses_rules import SP_SECTIONS as ROLE_SP_SECTIONS
 
@@ -44,7 +45,7 @@ def _model_sizes(path: str) -> dict | None:
         raw = json.load(handle)
     sizes = {key: raw.get(key) for key in MODEL_SIZES}
     sizes["num_key_value_heads"] = sizes["num_key_value_heads"] or sizes["num_attention_heads"]
-    return {"model_type": raw.get("model_type"), **sizes}
+    return {"model_type": raw.get("model_type"), "moe": is_moe_config(raw), **sizes}
 
 
 def _model_problems(key: str, size: int, facts: dict | None) -> list[str]:
@@ -53,7 +54,12 @@ def _model_problems(key: str, size: int, facts: dict | None) -> list[str]:
     if facts is None or size == 1:
         return []
     if facts["model_type"] not in TP_MODEL_TYPES:
-        return [f"{key}={size}: tensor parallelism supports {TP_MODEL_TYPES}, not {facts['model_type']!r}"]
+        # a mixture of experts: neither its experts nor its router have a tensor- or expert-parallel plan
+        moe = " (a mixture-of-experts model; expert parallelism is not built either)" if facts["moe"] else ""
+        return [
+            f"{key}={size}: tensor parallelism supports {TP_MODEL_TYPES}, not {facts['model_type']!r}{moe}; "
+            "set 1"
+        ]
     return [
         f"{key}={size} does not divide the model's {name}={facts[name]}"
         for name in MODEL_SIZES
