@@ -105,6 +105,12 @@ MODULE_TABLE: dict[str, str | tuple[str, ...]] = {
     "verl.tools.base_tool": "hybridflow.workers.rollout.tools.base_tool",
     "verl.tools.gsm8k_tool": "hybridflow.workers.rollout.tools.gsm8k_tool",
     "verl.tools.sandbox_fusion_tools": "hybridflow.workers.rollout.tools.sandbox_fusion_tool",
+    # verl's interactions (issue 49): verl's utils/ package is our registry module
+    "verl.interactions": "hybridflow.workers.rollout.interactions",
+    "verl.interactions.base": "hybridflow.workers.rollout.interactions.base",
+    "verl.interactions.gsm8k_interaction": "hybridflow.workers.rollout.interactions.gsm8k_interaction",
+    "verl.interactions.utils": "hybridflow.workers.rollout.interactions.registry",
+    "verl.interactions.utils.interaction_registry": "hybridflow.workers.rollout.interactions.registry",
     # verl's agent_loop.py is our base, server_manager, worker and manager modules
     "verl.experimental.agent_loop": (_LOOP, f"{_LOOP}.manager", f"{_LOOP}.worker"),
     "verl.experimental.agent_loop.agent_loop": (

@@ -29,6 +29,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's max positions")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="key full KV blocks and share them across requests (vLLM's flag; default on)",
+    )
+    parser.add_argument("--block-size", type=int, default=None, help="positions per KV block (default 16)")
+    parser.add_argument(
         "--kv-cache-memory-gb",
         type=float,
         default=None,
@@ -100,6 +107,9 @@ def vllm_command(args: argparse.Namespace) -> list[str]:
         "--max-num-seqs", str(args.max_num_seqs),
         "--enforce-eager",
     ]  # fmt: skip
+    command.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")
+    if args.block_size:
+        command += ["--block-size", str(args.block_size)]
     if _has_hermes_tokens(args.model):  # vLLM's Hermes parser needs <tool_call> in the vocabulary
         command += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     if args.max_model_len:
@@ -153,6 +163,8 @@ def build_service(args: argparse.Namespace):
         "max_model_len": max_len,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "block_size": args.block_size,
         "kv_cache_memory_gb": args.kv_cache_memory_gb,
         "gpu_memory_utilization": args.gpu_memory_utilization,
     }

@@ -74,8 +74,9 @@ class EngineService:
 
     @property
     def capacity(self) -> int:
-        """Sequences admitted at once at most: the cache slots plus ``max_waiting`` queued beyond them."""
-        return self.engine.cache.num_slots + self.limits.max_waiting
+        """Sequences admitted at once at most: the engine's running rows (``max_num_seqs``) plus
+        ``max_waiting`` queued beyond them."""
+        return self.engine.max_num_seqs + self.limits.max_waiting
 
     # ------------------------------------------------------------------ request checks
     def check_model(self, name: str) -> None:
@@ -97,9 +98,9 @@ class EngineService:
             raise APIError(400, f"{asked} is above {self._holds()}; ask for fewer samples.", "n")
 
     def _holds(self) -> str:
-        slots, waiting = self.engine.cache.num_slots, self.limits.max_waiting
+        rows, waiting = self.engine.max_num_seqs, self.limits.max_waiting
         return (
-            f"the {self.capacity} sequences this server holds at once ({slots} KV-cache slots + "
+            f"the {self.capacity} sequences this server holds at once ({rows} running (max_num_seqs) + "
             f"--max-waiting {waiting})"
         )
 
@@ -120,10 +121,10 @@ class EngineService:
                 headers={"Retry-After": str(self.limits.retry_after_s)},
             )
         if self.in_flight + sequences > self.capacity:
-            waiting = max(self.in_flight - self.engine.cache.num_slots, 0)
+            waiting = max(self.in_flight - self.engine.max_num_seqs, 0)
             raise APIError(
                 503,
-                f"The server is busy: {waiting} sequences are waiting for a KV-cache slot and this request "
+                f"The server is busy: {waiting} sequences are waiting to run and this request "
                 f"needs {sequences} places of the {self.capacity - self.in_flight} free. Retry later.",
                 kind="server_busy",
                 headers={"Retry-After": str(self.limits.retry_after_s)},

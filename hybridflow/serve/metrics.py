@@ -9,15 +9,14 @@ label. Counters are exposed with Prometheus's ``_total`` suffix, as vLLM's are.
 name                                 type     what
 ===================================  =======  ====================================================
 ``vllm:num_requests_running``        gauge    sequences in the engine's running batch
-``vllm:num_requests_waiting``        gauge    sequences added and waiting for a KV-cache slot
-``vllm:kv_cache_usage_perc``         gauge    the fraction (0-1, vLLM's unit) of the KV-cache slots in use
-``vllm:num_preemptions``             counter  sequences preempted: always 0 (a sequence keeps its slot)
-``vllm:prompt_tokens``               counter  prompt tokens prefilled
+``vllm:num_requests_waiting``        gauge    requests added and not admitted, and preempted sequences
+``vllm:kv_cache_usage_perc``         gauge    the fraction (0-1, vLLM's unit) of the KV blocks held
+``vllm:num_preemptions``             counter  sequences preempted (blocks ran out; recomputed later)
+``vllm:prompt_tokens``               counter  prompt tokens prefilled (the cached prefix not counted)
 ``vllm:generation_tokens``           counter  tokens generated
 ``vllm:prefix_cache_queries``        counter  prompt tokens looked up in the prefix cache (vLLM counts
-                                              tokens): every prefilled token
-``vllm:prefix_cache_hits``           counter  of those, tokens found cached: 0 until the engine keeps a
-                                              prefix cache (every prompt is prefilled whole today)
+                                              tokens)
+``vllm:prefix_cache_hits``           counter  of those, tokens found cached (whole blocks)
 ``hybridflow:requests_aborted``      counter  requests aborted (a client left, a cancel)
 ``hybridflow:requests_failed``       counter  requests that failed in the engine
 ``hybridflow:sequences_in_flight``   gauge    sequences admitted by the server and not yet answered
@@ -44,7 +43,7 @@ class EngineMetrics:
         engine = self.service.engine
         stats = dict(engine.stats)
         label, value = ["model_name"], [str(self.service.model_name)]
-        slots = max(1, int(getattr(engine.cache, "num_slots", 0) or 0))
+        pool = engine.pool
         prefilled = float(stats.get("prefill_tokens", 0))
         gauges = (
             (
@@ -56,7 +55,7 @@ class EngineMetrics:
             (
                 "vllm:kv_cache_usage_perc",
                 "KV-cache usage. 1 means 100 percent usage.",
-                engine.num_running / slots,
+                pool.usage if engine.cache.allocated else 0.0,
             ),
             (
                 "hybridflow:sequences_in_flight",
@@ -65,7 +64,11 @@ class EngineMetrics:
             ),
         )
         counters = (
-            ("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", 0.0),
+            (
+                "vllm:num_preemptions",
+                "Cumulative number of preemptions from the engine.",
+                stats.get("preemptions", 0),
+            ),
             ("vllm:prompt_tokens", "Number of prefill tokens processed.", prefilled),
             (
                 "vllm:generation_tokens",
@@ -75,9 +78,13 @@ class EngineMetrics:
             (
                 "vllm:prefix_cache_queries",
                 "Prefix cache queries, in terms of number of queried tokens.",
-                prefilled,
+                pool.stats["prefix_queries"],
             ),
-            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", 0.0),
+            (
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                pool.stats["prefix_hits"],
+            ),
             ("hybridflow:requests_aborted", "Requests aborted.", stats.get("aborted_requests", 0)),
             (
                 "hybridflow:requests_failed",

@@ -234,3 +234,20 @@ def test_metrics_serve_vllms_names_in_prometheus_text(server, client):
     assert prefilled == reply.usage.prompt_tokens
     assert after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"] == prefilled
     assert after["vllm:num_requests_running"] == 0 and 0 <= after["vllm:kv_cache_usage_perc"] <= 1
+    # the conversation's next turn: its prefix (the first turn's full KV blocks) comes from the cache
+    messages = [
+        {"role": "user", "content": "What is 4 + 5? " * 4},
+        {"role": "assistant", "content": "It is nine, and here is why: " * 3},
+        {"role": "user", "content": "And 6 + 7?"},
+    ]
+    first = client.chat.completions.create(model=model, messages=messages, max_tokens=3, temperature=0)
+    middle = scrape()
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Sure?"},
+    ]
+    second = client.chat.completions.create(model=model, messages=messages, max_tokens=3, temperature=0)
+    last = scrape()
+    hits = last["vllm:prefix_cache_hits_total"] - middle["vllm:prefix_cache_hits_total"]
+    computed = last["vllm:prompt_tokens_total"] - middle["vllm:prompt_tokens_total"]
+    assert hits >= 16 and computed == second.usage.prompt_tokens - hits

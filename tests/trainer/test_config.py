@@ -151,7 +151,6 @@ REJECTED = [
         "+actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4",
         "only engine_kwargs.vllm, with rollout.name=vllm",
     ),
-    ("actor_rollout_ref.rollout.enable_prefix_caching=false", "keeps no prefix cache across prompts"),
     (
         "actor_rollout_ref.rollout.name=sglang",
         "rollout.name=sglang is not supported: SGLang's wheels need CUDA",
@@ -364,3 +363,27 @@ def test_captured_decode_with_tensor_parallel_generation_is_refused_on_cuda():
     config.actor_rollout_ref.rollout.enforce_eager = False
     config.trainer.device = "cpu"  # nothing is captured on the CPU
     assert _engine_capture_problems(config) == []
+
+
+def test_an_interaction_class_that_does_not_import_is_refused_before_ray_starts(tmp_path, base_overrides):
+    """``multi_turn.interaction_config_path`` (verl's YAML): each class is imported at validation; a
+    file nothing would read (no multi-turn, no agent loops) is refused too."""
+    key = "actor_rollout_ref.rollout.multi_turn"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("interaction:\n  - name: judge\n    class_name: my_pkg.judges.Judge\n")
+    config = load_config([*base_overrides, f"{key}.enable=true", f"{key}.interaction_config_path={bad}"])
+    with pytest.raises(
+        ConfigError, match=r"interaction_config_path: .*interaction\[0\]: cannot import 'my_pkg"
+    ):
+        validate_config(config)
+    good = tmp_path / "gsm8k.yaml"  # verl's examples/.../gsm8k_interaction_config.yaml, as it is
+    good.write_text(
+        'interaction:\n  - name: "gsm8k"\n'
+        '    class_name: "verl.interactions.gsm8k_interaction.Gsm8kInteraction"\n    config: {}\n'
+    )
+    validate_config(
+        load_config([*base_overrides, f"{key}.enable=true", f"{key}.interaction_config_path={good}"])
+    )
+    unused = load_config([*base_overrides, f"{key}.interaction_config_path={good}"])
+    with pytest.raises(ConfigError, match="interaction_config_path is set but nothing runs interactions"):
+        validate_config(unused)

@@ -239,8 +239,29 @@ def _check_unsupported(config: DictConfig) -> list[str]:
         path = rollout.multi_turn.get("tool_config_path")
         if path and not os.path.isfile(os.path.expanduser(str(path))):
             problems.append(f"rollout.multi_turn.tool_config_path: {path!r} is not a file")
+    problems += _interaction_problems(rollout)
     problems += _check_lora(config.actor_rollout_ref.model)
     return problems + _agent_loop_problems(config) + _rollout_correction_problems(config)
+
+
+def _interaction_problems(rollout: DictConfig) -> list[str]:
+    """``multi_turn.interaction_config_path``: read by the multi-turn machine (``multi_turn.enable``,
+    or the ``tool_agent`` loop of ``rollout.mode=async``); its file loads and every class imports."""
+    path = rollout.multi_turn.get("interaction_config_path")
+    if not path:
+        return []
+    if not rollout.multi_turn.enable and rollout.get("mode") != "async":
+        return [
+            "rollout.multi_turn.interaction_config_path is set but nothing runs interactions: set "
+            "rollout.multi_turn.enable=true (or rollout.mode=async with the tool_agent loop)"
+        ]
+    from hybridflow.workers.rollout.interactions.registry import InteractionConfigError, interaction_specs
+
+    try:
+        interaction_specs(os.path.expanduser(str(path)))
+    except InteractionConfigError as error:
+        return [f"rollout.multi_turn.interaction_config_path: {error}"]
+    return []
 
 
 def _rollout_correction_problems(config: DictConfig) -> list[str]:

@@ -80,11 +80,6 @@ ENGINE_LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
         (False,),
         "the embedded engine prefills whole prompts, batched up to rollout.max_num_batched_tokens",
     ),
-    "actor_rollout_ref.rollout.enable_prefix_caching": (
-        (True,),
-        "the embedded engine always prefills a prompt once for its n samples; it keeps no prefix cache "
-        "across prompts that could be turned off",
-    ),
     "actor_rollout_ref.rollout.disable_log_stats": (
         (True,),
         "the engine logs no periodic stats; its timings are in the step metrics (timing_s/gen, ...)",
@@ -522,7 +517,7 @@ GENERATION_LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
 # main_generation on the embedded engine (rollout.name=engine) takes the engine's limits too
 GENERATION_ENGINE_LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
     f"rollout.{key}": _rollout_rule(key)
-    for key in ("enable_chunked_prefill", "enable_prefix_caching", "disable_log_stats")
+    for key in ("enable_chunked_prefill", "disable_log_stats")
 }
 
 EVALUATION_LIMITED_VALUES: dict[str, tuple[tuple, str]] = {

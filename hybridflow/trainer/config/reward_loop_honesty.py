@@ -206,7 +206,6 @@ SERVED_RM_LIMITED = {
     "engine_kwargs": (({},), "the served engine takes no extra engine arguments"),
     "limit_images": ((None,), "the judge serves text"),
     "enable_chunked_prefill": ((False,), "the engine prefills whole prompts"),
-    "enable_prefix_caching": ((True,), "the engine always prefills a prompt once for its n samples"),
     "disable_log_stats": ((True,), "the served engine logs no periodic stats"),
     "skip_tokenizer_init": ((False,), "the judge's tokenizer serves the chat template (verl asserts false)"),
 }

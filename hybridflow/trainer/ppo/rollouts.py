@@ -38,15 +38,16 @@ def rollout_input(
     prompts: DataProto, n: int, meta_info: dict, all_fields: bool
 ) -> tuple[DataProto, DataProto]:
     """``(the prompt rows with a uid each, repeated n times; what goes to the rollout)``. Agent loops
-    (``all_fields``) get every dataset field; rollout workers the prompt, the multi-turn tools and the
-    dataset index (the sampling streams)."""
+    (``all_fields``) get every dataset field; rollout workers the prompt, the multi-turn tools, the
+    interaction's kwargs and chat, and the dataset index (the sampling streams)."""
     uids = [str(uuid.uuid4()) for _ in range(len(prompts))]
     prompts.non_tensor_batch[keys.UID] = np.array(uids, dtype=object)
     prompts = prompts.repeat(n, interleave=True)
     if all_fields:
         fields = list(prompts.non_tensor_batch)
     else:
-        wanted = ("tools_kwargs", "index", keys.MULTI_MODAL_INPUTS)  # and image rows' pixels and grids
+        # and image rows' pixels and grids; an interaction's kwargs and the chat it reads
+        wanted = ("tools_kwargs", "index", keys.MULTI_MODAL_INPUTS, "interaction_kwargs", "raw_prompt")
         fields = [key for key in wanted if key in prompts.non_tensor_batch]
     gen_input = prompts.select(batch_keys=PROMPT_INPUT_KEYS, non_tensor_batch_keys=fields, meta_info_keys=[])
     gen_input.meta_info = dict(meta_info)

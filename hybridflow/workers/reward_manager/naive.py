@@ -116,6 +116,12 @@ def decode_samples(data: DataProto, tokenizer, reward_fn_key: str = "data_source
         extra_infos = [
             {**(info or {}), "tool_rewards": float(r)} for info, r in zip(base, tool_rewards, strict=True)
         ]
+    turn_scores = data.non_tensor_batch.get("turn_scores")  # multi-turn: an interaction's, per reply
+    if turn_scores is not None:
+        base = list(extra_infos) if extra_infos is not None else [None] * len(turn_scores)
+        extra_infos = [
+            {**(info or {}), "turn_scores": list(s)} for info, s in zip(base, turn_scores, strict=True)
+        ]
     return [
         RewardSample(
             index=i,

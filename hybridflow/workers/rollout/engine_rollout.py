@@ -35,7 +35,7 @@ from hybridflow.workers.rollout.base import (
     sampling_params,
 )
 from hybridflow.workers.rollout.engine import EngineModel, LLMEngine, SamplingParams
-from hybridflow.workers.rollout.engine.kv_cache import slots_for_budget
+from hybridflow.workers.rollout.engine.kv_cache import DEFAULT_BLOCK_SIZE, blocks_for_budget
 from hybridflow.workers.rollout.engine.parallel import SINGLE, GenerationShard
 from hybridflow.workers.rollout.engine.reshard import ReshardLayout, reshard_weights
 from hybridflow.workers.rollout.engine.threaded import (
@@ -94,20 +94,27 @@ def engine_max_len(config) -> int:
 def build_llm_engine(
     model: EngineModel, config, eos_token_ids=(), share: int = 1, allocate_cache: bool = True
 ) -> LLMEngine:
-    """An engine over ``model`` sized by a rollout config section (KV-cache budget, batch limits, seed);
-    ``share`` engines splitting the budget and ``max_num_seqs`` get 1/share each. ``allocate_cache=False``:
-    no cache until the first ``resume`` (a rollout that sizes it per call never holds the full budget)."""
+    """An engine over ``model`` sized by a rollout config section (KV-cache budget in blocks of
+    ``block_size``, batch limits, prefix caching, seed); ``share`` engines splitting the budget and
+    ``max_num_seqs`` get 1/share each. ``allocate_cache=False``: no cache until the first ``resume`` (a
+    rollout that sizes it per call never holds the full budget)."""
     max_len = engine_max_len(config)
     budget = kv_cache_budget_bytes(config, model.device) // share
     max_seqs = max(1, int(config.get("max_num_seqs", 256)) // share)
-    slots = slots_for_budget(model.spec, max_len, model.dtype, budget, max_seqs)
-    if model.shard.parallel:  # the ranks of a generation group must schedule identically: the fewest slots
-        agreed = torch.tensor([slots], device=model.device)
+    block_size = int(config.get("block_size") or DEFAULT_BLOCK_SIZE)
+    if block_size < 1:
+        raise ValueError(f"rollout.block_size={block_size} must be at least 1")
+    blocks = blocks_for_budget(model.spec, block_size, model.dtype, budget, max_len)
+    if model.shard.parallel:  # the ranks of a generation group must schedule identically: the fewest blocks
+        agreed = torch.tensor([blocks], device=model.device)
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=model.shard.group)
-        slots = int(agreed.item())
+        blocks = int(agreed.item())
     return LLMEngine(
         model,
-        max_num_seqs=slots,
+        max_num_seqs=max_seqs,
+        num_blocks=blocks,
+        block_size=block_size,
+        enable_prefix_caching=bool(config.get("enable_prefix_caching", True)),
         max_model_len=max_len,
         eos_token_ids=list(eos_token_ids),
         max_num_batched_tokens=int(config.get("max_num_batched_tokens", 8192)),
@@ -334,7 +341,7 @@ class EngineRollout(BaseRollout):
             self.config.get("seed", 0), meta.get("global_steps", 0), self.seed_rank
         )
         self.engine.reseed(self._call_seed)
-        start, captured = time.perf_counter(), self._graph_capture_s()
+        start, captured, before = time.perf_counter(), self._graph_capture_s(), self._cache_counts()
         if self.multi_turn:
             output = self._generate_conversations(prompts, params, eos_ids, pad_id)
         else:
@@ -342,7 +349,37 @@ class EngineRollout(BaseRollout):
         output.meta_info["metrics"] = {"engine_generate": time.perf_counter() - start}
         if self.engine.decoder.capture:  # CUDA graphs re-captured this rollout (the cache moved)
             output.meta_info["metrics"]["engine_graph_capture"] = self._graph_capture_s() - captured
+        output.meta_info["metrics"].update(self._cache_metrics(before))
         return output
+
+    def _engines(self) -> list[LLMEngine]:
+        return [self.engine, *self._decode_engines]
+
+    def _cache_counts(self, restart_peak: bool = True) -> dict[int, tuple[int, int, int]]:
+        """Per engine (by id): (prefix-cache queries, hits, preemptions) so far; ``restart_peak``: each
+        pool's peak block count starts again from what it holds now."""
+        counts = {}
+        for engine in self._engines():
+            pool = engine.pool
+            if restart_peak:
+                pool.stats["peak_blocks"] = pool.num_used
+            stats = pool.stats
+            counts[id(engine)] = (stats["prefix_queries"], stats["prefix_hits"], engine.stats["preemptions"])
+        return counts
+
+    def _cache_metrics(self, before: dict[int, tuple[int, int, int]]) -> dict[str, float]:
+        """This call's ``rollout/prefix_cache_hit_rate`` (cached prompt tokens / prompt tokens),
+        ``rollout/preemptions`` and ``rollout/kv_blocks_peak_frac`` (the most blocks held at once, over
+        the pool), over this worker's engines (decode engines made during the call start from 0)."""
+        now = self._cache_counts(restart_peak=False)
+        pairs = [(counts, before.get(key, (0, 0, 0))) for key, counts in now.items()]
+        queries, hits, preempted = (sum(n[i] - b[i] for n, b in pairs) for i in range(3))
+        peak = max(e.pool.stats["peak_blocks"] / max(1, e.pool.num_blocks) for e in self._engines())
+        return {
+            "rollout/prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "rollout/preemptions": float(preempted),
+            "rollout/kv_blocks_peak_frac": peak,
+        }
 
     def _graph_capture_s(self) -> float:
         return sum(e.stats["graph_capture_s"] for e in (self.engine, *self._decode_engines))
@@ -386,7 +423,11 @@ class EngineRollout(BaseRollout):
         self, prompts: DataProto, params: SamplingParams, eos_ids, pad_id
     ) -> DataProto:
         """Multi-turn: every row is its own conversation with tool calls (``multi_turn.enable``)."""
-        from hybridflow.workers.rollout.multi_turn import assemble_conversations, build_agent_loop
+        from hybridflow.workers.rollout.multi_turn import (
+            assemble_conversations,
+            build_agent_loop,
+            interaction_columns,
+        )
 
         if self._agent_loop is None:
             self._agent_loop = build_agent_loop(self.engine, self.tokenizer, self.config, eos_ids)
@@ -396,8 +437,11 @@ class EngineRollout(BaseRollout):
         inputs = prompts.non_tensor_batch.get(keys.MULTI_MODAL_INPUTS)  # images: every turn's prefill
         images = [inputs[i] or None for i in range(len(rows))] if inputs is not None else None
         per_row = row_params(request_groups(prompts, params, self.config.get("seed", 0)))
+        interaction_kwargs, messages = interaction_columns(prompts)
         with self._kv_cache(sizes=[(len(rows), self.engine.max_model_len)]):  # one slot per conversation
-            convs = asyncio.run(self._agent_loop.run_batch(rows, per_row, kwargs, images))
+            convs = asyncio.run(
+                self._agent_loop.run_batch(rows, per_row, kwargs, images, interaction_kwargs, messages)
+            )
         return assemble_conversations(
             prompts,
             convs,

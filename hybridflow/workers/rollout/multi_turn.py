@@ -2,9 +2,15 @@
 
 Each sample goes PENDING → RUNNING (the model generates a turn) → TOOL_CALLING (its tool calls are
 parsed and executed, up to ``max_parallel_calls`` at once) → RUNNING → ... → COMPLETED, bounded by
-``max_assistant_turns``, ``max_user_turns`` (tool-response turns) and ``response_length`` (all tokens
-after the prompt). All samples run concurrently, so their generation steps share the engine's
-running batch while tools execute.
+``max_assistant_turns``, ``max_user_turns`` (tool-response and interaction turns) and
+``response_length`` (all tokens after the prompt). All samples run concurrently, so their generation
+steps share the engine's running batch while tools execute.
+
+With an interaction (verl's, ``multi_turn.interaction_config_path``; the sample's
+``interaction_kwargs["name"]`` picks it), a turn that calls no tool goes to INTERACTING instead of
+ending: the interaction reads the chat so far and replies; its reply is a user turn (mask 0, as a tool
+turn) and its score a turn score (``turn_scores``); the conversation ends when it says so
+(``finish_reason="interaction"``) or a limit does. The reply that ends it is appended too, as verl does.
 
 Token-in, token-out: the conversation is kept as token ids. Generated tokens are appended as the
 engine returned them (mask 1); a tool turn is rendered with the model's chat template and only its
@@ -23,11 +29,13 @@ import asyncio
 import enum
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hybridflow.utils.rollout_trace import rollout_trace_op
 from hybridflow.workers.rollout.engine import LLMEngine, SamplingParams
+from hybridflow.workers.rollout.interactions.base import BaseInteraction, finalize
 from hybridflow.workers.rollout.tools.base_tool import BaseTool
 from hybridflow.workers.rollout.tools.parser import ToolCall, ToolCallParser, short_repr
 
@@ -39,6 +47,7 @@ class TurnState(enum.Enum):
     PENDING = "pending"
     RUNNING = "running"
     TOOL_CALLING = "tool_calling"
+    INTERACTING = "interacting"
     COMPLETED = "completed"
 
 
@@ -68,7 +77,9 @@ class MultiTurnLimits:
 
 @dataclass
 class Conversation:
-    """One sample's growing response: ``response_ids``/``response_mask``/``log_probs`` are aligned."""
+    """One sample's growing response: ``response_ids``/``response_mask``/``log_probs`` are aligned.
+    ``messages``: the chat so far as role/content dicts (kept only with an interaction, which reads
+    it); ``turn_scores``: the interaction's score of each of its replies, in order."""
 
     prompt_ids: list[int]
     response_ids: list[int] = field(default_factory=list)
@@ -82,6 +93,8 @@ class Conversation:
     tool_reward: float = 0.0
     finish_reason: str = ""
     turn_start: int = 0  # where the last assistant turn's tokens begin in response_ids
+    messages: list[dict] = field(default_factory=list)
+    turn_scores: list[float] = field(default_factory=list)
     # a vision-language prompt's images (pixel_values, image_grid_thw): every turn's prefill takes them
     images: dict | None = None
 
@@ -145,15 +158,23 @@ class ToolTurnRenderer:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def tool_turn_ids(self, responses: list[str]) -> list[int]:
-        tool_messages = [{"role": "tool", "content": encodable(text)} for text in responses]
-        full = self._encode(self._base + tool_messages, add_generation_prompt=True)
+        return self._turn_ids([{"role": "tool", "content": encodable(text)} for text in responses])
+
+    def user_turn_ids(self, text: str) -> list[int]:
+        """The tokens of a user message (an interaction's reply) and the next assistant header."""
+        return self._turn_ids([{"role": "user", "content": encodable(text)}])
+
+    def _turn_ids(self, messages: list[dict]) -> list[int]:
+        full = self._encode(self._base + messages, add_generation_prompt=True)
         if full[: len(self._prefix)] != self._prefix:
-            raise ValueError("the chat template re-renders earlier turns when a tool turn is added")
+            role = messages[0]["role"]
+            raise ValueError(f"the chat template re-renders earlier turns when a {role} turn is added")
         return full[len(self._prefix) :]
 
 
 class ToolAgentLoop:
-    """Runs conversations with ``tools`` (name → tool) through ``engine``."""
+    """Runs conversations with ``tools`` (name → tool) and ``interactions`` (name → interaction, from
+    ``interaction_config_path``; empty: none) through ``engine``."""
 
     def __init__(
         self,
@@ -163,6 +184,7 @@ class ToolAgentLoop:
         parser: ToolCallParser,
         limits: MultiTurnLimits,
         end_of_turn_ids: list[int],
+        interactions: dict[str, BaseInteraction] | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.tools, self.parser, self.limits = (
             engine,
@@ -171,6 +193,7 @@ class ToolAgentLoop:
             parser,
             limits,
         )
+        self.interactions = dict(interactions or {})
         self.renderer = ToolTurnRenderer(tokenizer, end_of_turn_ids)
 
     async def run_batch(
@@ -179,13 +202,21 @@ class ToolAgentLoop:
         params: list[SamplingParams],
         tools_kwargs: list[dict | None],
         images: list[dict | None] | None = None,
+        interaction_kwargs: list[dict | None] | None = None,
+        messages: list[list[dict] | None] | None = None,
     ) -> list[Conversation]:
         """All conversations concurrently; results in input order. ``images``: each prompt's (a
-        vision-language model's ``multi_modal_inputs``; None or {} for a text prompt)."""
-        images = images if images is not None else [None] * len(prompts)
+        vision-language model's ``multi_modal_inputs``; None or {} for a text prompt);
+        ``interaction_kwargs`` and ``messages`` (the prompt's chat): each row's, for an interaction."""
+        rows = len(prompts)
+        images = images if images is not None else [None] * rows
+        interaction_kwargs = interaction_kwargs if interaction_kwargs is not None else [None] * rows
+        messages = messages if messages is not None else [None] * rows
         runs = (
-            self.run(p, sp, kw, im)
-            for p, sp, kw, im in zip(prompts, params, tools_kwargs, images, strict=True)
+            self.run(p, sp, kw, im, ik, ms)
+            for p, sp, kw, im, ik, ms in zip(
+                prompts, params, tools_kwargs, images, interaction_kwargs, messages, strict=True
+            )
         )
         return list(await asyncio.gather(*runs))
 
@@ -195,9 +226,11 @@ class ToolAgentLoop:
         params: SamplingParams,
         tools_kwargs: dict | None = None,
         images: dict | None = None,
+        interaction_kwargs: dict | None = None,
+        messages: list[dict] | None = None,
     ) -> Conversation:
-        conv = Conversation(list(prompt_ids), images=images or None)
-        session = self.open_session(tools_kwargs)
+        conv = Conversation(list(prompt_ids), images=images or None, messages=list(messages or []))
+        session = self.open_session(tools_kwargs, interaction_kwargs)
         try:
             await self.converse(conv, params, session)
             conv.tool_reward += await session.rewards()
@@ -205,9 +238,14 @@ class ToolAgentLoop:
             await session.release()
         return self.complete(conv)
 
-    def open_session(self, tools_kwargs: dict | None = None) -> _ToolSession:
-        """One sample's tool instances (created on first use, released by :meth:`_ToolSession.release`)."""
-        return _ToolSession(self.tools, tools_kwargs or {}, self.limits.tool_timeout_s)
+    def open_session(
+        self, tools_kwargs: dict | None = None, interaction_kwargs: dict | None = None, request_id=None
+    ) -> _ToolSession:
+        """One sample's tool instances (created on first use) and interaction (started at its first
+        reply as ``request_id``, a new id when None), released by :meth:`_ToolSession.release`."""
+        session = _ToolSession(self.tools, tools_kwargs or {}, self.limits.tool_timeout_s)
+        session.user = _UserSession.pick(self.interactions, interaction_kwargs, request_id)
+        return session
 
     def complete(self, conv: Conversation) -> Conversation:
         """A finished conversation: cut at ``response_length``, state COMPLETED."""
@@ -246,7 +284,8 @@ class ToolAgentLoop:
                 _, calls, errors = self.parser.parse(text)
             else:  # a long message: keep the event loop (other conversations) moving meanwhile
                 _, calls, errors = await asyncio.to_thread(self.parser.parse, text)
-            if turn.finish_reason in ("length", "abort") or not (calls or errors):
+            wants_tools = bool(calls or errors)
+            if turn.finish_reason in ("length", "abort") or (not wants_tools and session.user is None):
                 conv.finish_reason = turn.finish_reason
                 return
             if limits.max_assistant_turns and conv.assistant_turns >= limits.max_assistant_turns:
@@ -255,10 +294,26 @@ class ToolAgentLoop:
             if limits.max_user_turns and conv.user_turns >= limits.max_user_turns:
                 conv.finish_reason = "max_user_turns"
                 return
-            conv.state = TurnState.TOOL_CALLING
-            responses = await self._tool_responses(conv, calls, [e.message for e in errors], session)
-            conv.append(self.renderer.tool_turn_ids(responses), generated=False)
+            if session.user is not None:  # the interaction reads the chat: the answer joins it
+                conv.messages.append({"role": "assistant", "content": text})
+            done = False
+            if wants_tools:
+                conv.state = TurnState.TOOL_CALLING
+                responses = await self._tool_responses(conv, calls, [e.message for e in errors], session)
+                conv.append(self.renderer.tool_turn_ids(responses), generated=False)
+                if session.user is not None:
+                    conv.messages.extend({"role": "tool", "content": r} for r in responses)
+            else:
+                conv.state = TurnState.INTERACTING
+                done, reply, score = await session.user.reply(conv.messages)
+                conv.messages.append({"role": "user", "content": reply})
+                if score is not None:
+                    conv.turn_scores.append(score)
+                conv.append(self.renderer.user_turn_ids(reply), generated=False)
             conv.user_turns += 1
+            if done:
+                conv.finish_reason = "interaction"
+                return
 
     async def _tool_responses(
         self, conv: Conversation, calls: list[ToolCall], parse_errors: list[str], session: _ToolSession
@@ -278,8 +333,55 @@ class ToolAgentLoop:
         return [truncate_text(encodable(text), size, side) for text in texts]
 
 
+class _UserSession:
+    """One sample's interaction: the instance chosen by ``interaction_kwargs["name"]``, the sample's
+    kwargs (passed to every call, as verl passes them) and its instance id once started."""
+
+    def __init__(self, interaction: BaseInteraction, kwargs: dict, request_id: str | None) -> None:
+        self.interaction, self.kwargs = interaction, kwargs
+        self.request_id = request_id or uuid.uuid4().hex
+        self.instance_id: str | None = None
+
+    @classmethod
+    def pick(cls, interactions: dict, kwargs: dict | None, request_id: str | None) -> _UserSession | None:
+        """None without interactions; else the sample's (a ValueError names a missing or unknown name)."""
+        if not interactions:
+            return None
+        kwargs = dict(kwargs or {})
+        name = kwargs.get("name")
+        if name is None:
+            raise ValueError(
+                "rollout.multi_turn.interaction_config_path is set but the sample's "
+                f"extra_info.interaction_kwargs has no 'name'; interactions: {sorted(interactions)}"
+            )
+        if name not in interactions:
+            raise ValueError(
+                f"interaction {name!r} (extra_info.interaction_kwargs.name) is not in "
+                f"rollout.multi_turn.interaction_config_path; interactions: {sorted(interactions)}"
+            )
+        return cls(interactions[name], kwargs, request_id)
+
+    @rollout_trace_op
+    async def reply(self, messages: list[dict]) -> tuple[bool, str, float | None]:
+        """The interaction's reply to the chat ``messages`` (started on first use):
+        ``(should_terminate_sequence, user message text, turn score or None)``."""
+        if self.instance_id is None:
+            started = await self.interaction.start_interaction(self.request_id, **self.kwargs)
+            self.instance_id = started if started is not None else self.request_id
+        done, text, score, _ = await self.interaction.generate_response(
+            self.instance_id, messages, **self.kwargs
+        )
+        return bool(done), "" if text is None else str(text), None if score is None else float(score)
+
+    async def release(self) -> None:
+        if self.instance_id is not None:
+            instance_id, self.instance_id = self.instance_id, None
+            await finalize(self.interaction, instance_id)
+
+
 class _ToolSession:
-    """One sample's tool instances, created on first use with ``tools_kwargs[name]["create_kwargs"]``."""
+    """One sample's tool instances, created on first use with ``tools_kwargs[name]["create_kwargs"]``,
+    and its interaction (``user``; None without one)."""
 
     def __init__(
         self, tools: dict[str, BaseTool], tools_kwargs: dict[str, Any], timeout_s: float | None = None
@@ -287,6 +389,7 @@ class _ToolSession:
         self.tools, self.tools_kwargs, self.timeout_s = tools, tools_kwargs, timeout_s
         self.instances: dict[str, str] = {}
         self.step_rewards = 0.0
+        self.user: _UserSession | None = None
 
     def _kwargs(self, name: str, stage: str) -> dict:
         return dict((self.tools_kwargs.get(name) or {}).get(f"{stage}_kwargs") or {})
@@ -336,6 +439,8 @@ class _ToolSession:
         return total
 
     async def release(self) -> None:
+        if self.user is not None:
+            await self.user.release()
         for name, instance_id in self.instances.items():
             pending = self.tools[name].release(instance_id, **self._kwargs(name, "release"))
             try:
@@ -348,7 +453,9 @@ def build_agent_loop(
     engine: LLMEngine, tokenizer, rollout_config, end_of_turn_ids: list[int]
 ) -> ToolAgentLoop:
     """The agent loop a rollout config asks for: tools from ``multi_turn.tool_config_path`` (none when
-    unset), the ``multi_turn.format`` parser, and the turn/length limits."""
+    unset), interactions from ``multi_turn.interaction_config_path`` (none when unset), the
+    ``multi_turn.format`` parser, and the turn/length limits."""
+    from hybridflow.workers.rollout.interactions.registry import shared_interactions
     from hybridflow.workers.rollout.tools.parser import get_tool_call_parser
     from hybridflow.workers.rollout.tools.registry import load_tools
 
@@ -358,7 +465,19 @@ def build_agent_loop(
     tools = load_tools(path) if path else {}
     parser = get_tool_call_parser(str(rollout_config.multi_turn.get("format", "hermes")))
     limits = MultiTurnLimits.from_rollout_config(rollout_config)
-    return ToolAgentLoop(engine, tokenizer, tools, parser, limits, end_of_turn_ids)
+    interactions = shared_interactions(rollout_config.multi_turn.get("interaction_config_path"))
+    return ToolAgentLoop(engine, tokenizer, tools, parser, limits, end_of_turn_ids, interactions)
+
+
+def interaction_columns(prompts) -> tuple[list[dict | None] | None, list | None]:
+    """Each row's ``interaction_kwargs`` and chat (``raw_prompt``) from a rollout batch's columns (None
+    where the batch has no such column)."""
+    columns = prompts.non_tensor_batch
+    kwargs, chats = columns.get("interaction_kwargs"), columns.get("raw_prompt")
+    return (
+        None if kwargs is None else [dict(k) if k else None for k in kwargs],
+        None if chats is None else [list(c) if c is not None else None for c in chats],
+    )
 
 
 def assemble_conversations(
@@ -368,7 +487,7 @@ def assemble_conversations(
     finished conversations: ``response_mask`` (B, T_r) is 1 only on generated tokens, the response
     part of ``attention_mask`` on every token (tool turns too), ``rollout_log_probs`` 0 on tool tokens.
     Per-row ``__num_turns__``, ``tool_calls``, ``tool_failures`` and ``tool_rewards`` ride along as
-    non-tensor columns."""
+    non-tensor columns, and ``turn_scores`` (a list per row: the interaction's score of each reply)."""
     import numpy as np
     import torch
 
@@ -404,4 +523,7 @@ def assemble_conversations(
             "tool_rewards": np.array([c.tool_reward for c in conversations], dtype=np.float64),
         }
     )
+    turn_scores = np.empty(rows, dtype=object)  # the interaction's scores, a list per row (verl's)
+    turn_scores[:] = [list(c.turn_scores) for c in conversations]
+    output.non_tensor_batch["turn_scores"] = turn_scores
     return output

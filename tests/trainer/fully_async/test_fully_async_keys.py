@@ -108,7 +108,6 @@ REFUSED = [
     ({R + "decode_threads": 2}, r"decode_threads=2 splits one batch call"),
     ({R + "tensor_model_parallel_size": 2}, r"tensor_model_parallel_size must be 1"),
     ({R + "enable_chunked_prefill": True}, r"enable_chunked_prefill=True is not supported"),
-    ({R + "enable_prefix_caching": False}, r"enable_prefix_caching=False is not supported"),
     ({R + "disable_log_stats": False}, r"disable_log_stats=False is not supported"),
     ({"+" + R + "engine_kwargs.sglang.x": 1}, r"engine_kwargs=.* is not supported"),
     ({"rollout.total_rollout_steps": 100, "trainer.total_training_steps": 3}, r"are both set"),
@@ -204,19 +203,16 @@ def _engine(view) -> dict:
         class shard:  # noqa: N801  (the attribute the builder reads)
             parallel = False
 
-    saved = engine_rollout.LLMEngine, engine_rollout.slots_for_budget
+    saved = engine_rollout.LLMEngine, engine_rollout.blocks_for_budget
     engine_rollout.LLMEngine = Recorded
-    engine_rollout.slots_for_budget = lambda spec, max_len, dtype, budget, max_seqs: (
-        budget // 2**20,
-        max_seqs,
-    )
+    engine_rollout.blocks_for_budget = lambda spec, block_size, dtype, budget, max_len: budget // 2**20
     try:
         rollout = view.actor_rollout_ref.rollout
         built = dict(engine_rollout.build_llm_engine(Model(), rollout))
         built["dtype"] = engine_rollout.engine_dtype(rollout.get("dtype"), "cpu")
         return built
     finally:
-        engine_rollout.LLMEngine, engine_rollout.slots_for_budget = saved
+        engine_rollout.LLMEngine, engine_rollout.blocks_for_budget = saved
 
 
 def _serve_defaults(view):
@@ -352,6 +348,8 @@ READ = {
     R + "seed": (7, {}, _engine),
     R + "max_num_seqs": (8, {}, _engine),
     R + "max_num_batched_tokens": (512, {}, _engine),
+    R + "enable_prefix_caching": (False, {}, _engine),
+    R + "block_size": (32, {}, _engine),
     R + "max_model_len": (64, {}, _engine),
     R + "decode_steps_per_sync": (4, {}, _engine),
     R + "enforce_eager": (True, {}, _engine),
@@ -426,6 +424,8 @@ SHOWN = {
     R + "val_kwargs.n": PHASES + "test_do_sample_false_gives_n_identical_greedy_responses",
     R + "multi_turn.tool_config_path": "tests/workers/rollout/test_engine_rollout.py",
     R + "multi_turn.format": "tests/workers/rollout/tools/test_parser_registry.py",
+    R + "multi_turn.interaction_config_path": "tests/workers/rollout/test_interactions.py::"
+    "test_tool_agent_loop_runs_the_configured_interaction_until_it_stops",
     "async_training.partial_rollout": E2E + "test_stale_partial_rollouts_with_token_is",
     # image rows (a vision-language model: refused with rollout.mode=async, vision_honesty.py)
     R + "limit_images": "tests/vlm/test_vlm_data.py::test_per_image_pixel_bounds_and_limit_images",

@@ -1,7 +1,6 @@
 """The embedded engine against Hugging Face: greedy tokens, log-probs, continuous batching, async."""
 
 import asyncio
-import warnings
 
 import pytest
 import torch
@@ -162,7 +161,7 @@ def test_release_frees_the_cache_and_resume_restores_generation(model):
     assert engine.cache.nbytes == 0
     with pytest.raises(RuntimeError, match="resume"):
         engine.generate_batch(prompts, GREEDY)
-    engine._waiting.clear()
+    engine.scheduler.waiting.clear()
     engine.resume()
     assert engine.cache.nbytes > 0
     after = engine.generate_batch(prompts, GREEDY)
@@ -178,8 +177,8 @@ def test_a_cache_sized_to_the_call_generates_the_same_tokens_and_log_probs(model
     engine.release()
     rows, length = 2 * len(prompts), max(map(len, prompts)) + params.max_new_tokens
     engine.resume(rows, length)
-    assert (engine.cache.num_slots, engine.cache.max_len) == (rows, length)
-    assert engine.cache.layers[0][0].shape[::2] == (rows, length)
+    blocks = rows * -(-length // engine.cache.block_size)  # and the scratch block
+    assert engine.cache.num_blocks == engine.cache.layers[0][0].shape[1] == blocks + 1
     sized = engine.generate_batch(prompts, params, n=2)
     for a, b in zip(full, sized, strict=True):
         assert [c.token_ids for c in a.completions] == [c.token_ids for c in b.completions]
@@ -187,7 +186,7 @@ def test_a_cache_sized_to_the_call_generates_the_same_tokens_and_log_probs(model
             torch.testing.assert_close(torch.tensor(ca.log_probs), torch.tensor(cb.log_probs))
     engine.release()
     engine.resume(10**6, 10**6)  # never above the budget: max_num_seqs x max_model_len
-    assert (engine.cache.num_slots, engine.cache.max_len) == (16, 64)
+    assert engine.cache.num_blocks == 16 * 64 // engine.cache.block_size + 1
 
 
 def test_stop_tokens_and_length_limits(model):
@@ -229,7 +228,7 @@ def test_bad_requests_are_refused_clearly():
         engine.add_request([], GREEDY)
     with pytest.raises(ValueError, match="max_model_len"):
         engine.add_request(list(range(3, 19)), GREEDY)
-    with pytest.raises(ValueError, match="slots"):
+    with pytest.raises(ValueError, match="max_num_seqs"):
         engine.add_request([5, 6], GREEDY, n=3)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
@@ -258,25 +257,30 @@ def test_bf16_engine_tracks_the_fp32_model():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_decode_attention_equals_sdpa(dtype):
-    """Both decode attentions (the span's grouped matmuls, FlexAttention over each row's valid blocks)
-    equal SDPA over the valid keys, GQA and rows of different lengths included."""
-    from hybridflow.workers.rollout.engine.attention import flex_attention_valid, span_attention
+def test_paged_decode_attention_equals_sdpa(dtype):
+    """Both decode attentions over the paged pool (the CPU kernel reading blocks in place, the gathered
+    span) equal SDPA over each row's valid keys laid out contiguously: GQA, rows of different
+    lengths, blocks scattered over the pool in any order."""
+    from hybridflow.workers.rollout.engine.attention import decode_attention
+    from hybridflow.workers.rollout.engine.paged_kernel import kernel_handles
 
     gen = torch.Generator().manual_seed(3)
+    block, width = 16, 19  # 19 blocks of 16: up to 304 positions per row
     q = torch.randn(6, 4, 1, 16, generator=gen).to(dtype)
-    k, v = (torch.randn(6, 2, 300, 16, generator=gen).to(dtype) for _ in range(2))
+    keys, values = (torch.randn(2, 6 * width + 1, block, 16, generator=gen).to(dtype) for _ in range(2))
+    table = torch.randperm(6 * width, generator=gen).view(6, width) + 1
     lengths = torch.tensor([0, 3, 130, 299, 17, 128])
-    visible = torch.arange(300)[None] <= lengths[:, None]
+    contiguous = [pool[:, table].flatten(2, 3).transpose(0, 1) for pool in (keys, values)]  # (B, nkv, S, hd)
+    visible = torch.arange(width * block)[None] <= lengths[:, None]
     expected = torch.nn.functional.scaled_dot_product_attention(
-        q.double(), k.double(), v.double(), attn_mask=visible[:, None, None, :], enable_gqa=True
+        q.double(), *(t.double() for t in contiguous), attn_mask=visible[:, None, None, :], enable_gqa=True
     )
     tolerance = 1e-6 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(span_attention(q, k, v, lengths).double(), expected, atol=tolerance, rtol=0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # eager FlexAttention's "not compiled" notice
-        flex = flex_attention_valid(q, k, v, lengths)
-    torch.testing.assert_close(flex.double(), expected, atol=tolerance, rtol=0)
+    backends = ["gather"] + (["kernel"] if kernel_handles(dtype) else [])
+    for backend in backends:
+        got = decode_attention(q, keys, values, table, lengths, backend, span=300)
+        torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=0, msg=backend)
+    assert "kernel" in backends, "the paged kernel did not build here (a C compiler is part of the CI image)"
 
 
 def test_fused_rms_norm_and_rope_give_the_hf_formulas_bits():

@@ -72,8 +72,8 @@ def test_the_padded_static_step_gives_the_eager_steps_tokens(model, params, per_
 
 
 def test_padding_rows_never_change_a_real_row(model):
-    """Rows 0..2 of a bucket of 8: whatever the padding rows hold, the real rows' logits and cache
-    writes are bit for bit the same."""
+    """Rows 0..2 of a bucket of 8: whatever the padding rows hold, the real rows' logits and every
+    block but the scratch block 0 (where padding rows write) are bit for bit the same."""
     em = EngineModel.from_hf_module(model, 32)
     engine = LLMEngine(em, 8, 32, eos_token_ids=[EOS])
     cache = engine.cache
@@ -83,6 +83,7 @@ def test_padding_rows_never_change_a_real_row(model):
             tensor.normal_(generator=gen)
     saved = [(k.clone(), v.clone()) for k, v in cache.layers]
     real_tokens, real_lengths = torch.tensor([4, 9, 30]), torch.tensor([3, 17, 8])
+    real_tables = torch.tensor([[1, 2], [3, 4], [5, 6]])  # padding rows: the scratch block 0
     outs = []
     for pad_tokens, pad_lengths in (([0] * 5, [0] * 5), ([60, 2, 33, 7, 90], [20, 1, 5, 0, 12])):
         for (k, v), (k0, v0) in zip(cache.layers, saved, strict=True):
@@ -90,8 +91,9 @@ def test_padding_rows_never_change_a_real_row(model):
             v.copy_(v0)
         tokens = torch.cat((real_tokens, torch.tensor(pad_tokens)))
         lengths = torch.cat((real_lengths, torch.tensor(pad_lengths)))
-        logits = em.decode(tokens, lengths, cache, span=21)
-        outs.append((logits[:3].clone(), [k[:3].clone() for k, _ in cache.layers]))
+        tables = torch.cat((real_tables, torch.zeros(5, 2, dtype=torch.long)))
+        logits = em.decode(tokens, lengths, cache, tables, span=21, attention=engine.decoder.attention)
+        outs.append((logits[:3].clone(), [k[:, 1:].clone() for k, _ in cache.layers]))
     assert torch.equal(outs[0][0], outs[1][0])
     assert all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1], strict=True))
 
@@ -177,13 +179,10 @@ def test_the_step_follows_in_place_weight_updates_and_re_makes_buffers_for_a_new
     assert engine.decoder._signature != signature
 
 
-def test_flex_attention_over_valid_keys_gives_the_span_attentions_tokens(model, monkeypatch):
-    """The CUDA graph's attention (FlexAttention reading each row's valid key blocks, here its eager
-    reference kernel) against the CPU's span attention, through the engine: GQA, rows of different
-    lengths, and a second turn continuing the first conversation (a longer prompt, rows now over
-    one 128-key block apart)."""
-    import warnings
-
+def test_gathered_span_and_paged_kernel_give_the_same_tokens(model, monkeypatch):
+    """The CUDA graph's attention (a gathered span of each row's blocks, padded to a bucket) against
+    the CPU's paged kernel, through the engine: GQA, rows of different lengths, and a second turn
+    continuing the first conversation (its prefix found in the cache)."""
     params = SamplingParams(max_new_tokens=12, do_sample=False)
 
     def two_turns(backend: str):
@@ -194,11 +193,8 @@ def test_flex_attention_over_valid_keys_gives_the_span_attentions_tokens(model, 
         follow = [
             r.prompt_token_ids + r.completions[0].token_ids + [7] * (20 * i) for i, r in enumerate(first)
         ]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            second = engine.generate_batch(follow, params)
+        second = engine.generate_batch(follow, params)
+        assert engine.pool.stats["prefix_hits"] > 0
         return [c.token_ids for r in first + second for c in r.completions]
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # eager FlexAttention's "not compiled" notice
-        assert two_turns("flex") == two_turns("span")
+    assert two_turns("gather") == two_turns("kernel")

@@ -5,6 +5,14 @@ The conversation machine is the one the synchronous multi-turn rollout runs
 and length limits, tool timeouts); here each assistant turn is a request to the sample's sticky replica
 instead of a call into the rank's engine. Tool-response tokens get mask 0 and log-prob 0.
 
+**Interactions** (verl's, ``multi_turn.interaction_config_path``): the sample's
+``extra_info["interaction_kwargs"]`` (its ``name`` picks the interaction) starts a session under the
+sample's request id; an answer that calls no tool gets the interaction's reply as a user turn (mask 0,
+log-prob 0), until the interaction ends the conversation or ``max_user_turns`` / ``max_assistant_turns``
+/ ``response_length`` do. ``extra_fields["turn_scores"]``: the interaction's score of each reply (a
+``turn_scores`` column of the batch, and in the reward function's ``extra_info`` with the reward loop,
+as in verl). The chat the interaction reads starts from the sample's ``raw_prompt``.
+
 **Partial rollout.** An abort (a parameter sync with ``async_training.partial_rollout``) can only cut an
 assistant turn: tools run between turns. The loop then returns the conversation so far with
 ``extra_fields["is_partial"] = True`` and its state (``extra_fields["conversation"]``: turns, tool-call
@@ -19,6 +27,7 @@ and ``extra_fields["tool_session_restarted"]`` says so.
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import logging
 import time
@@ -108,6 +117,7 @@ class ToolAgentLoop(AgentLoopBase):
 
     @rollout_trace_op
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
+        from hybridflow.workers.rollout.interactions.registry import shared_interactions
         from hybridflow.workers.rollout.multi_turn import MultiTurnLimits
         from hybridflow.workers.rollout.multi_turn import ToolAgentLoop as Conversations
         from hybridflow.workers.rollout.tools.parser import get_tool_call_parser
@@ -132,8 +142,11 @@ class ToolAgentLoop(AgentLoopBase):
             get_tool_call_parser(str(multi_turn.get("format", "hermes"))),
             MultiTurnLimits.from_rollout_config(self.rollout_config),
             self.eos_token_ids,
+            shared_interactions(multi_turn.get("interaction_config_path")),
         )
         conv, session = previous.conversation(prompt_ids), None
+        if partial is None:
+            conv.messages = list(kwargs.get("raw_prompt") or [])  # the chat an interaction reads
         conv.images = sample_images(kwargs).get("image_data")  # every turn's prefill takes them
         if partial is not None:
             session = _PARKED.pop(request_id, None)
@@ -141,7 +154,8 @@ class ToolAgentLoop(AgentLoopBase):
                 logger.warning("tool_agent: sample %s resumes with new tool instances", request_id)
                 turns.extra["tool_session_restarted"] = True
         if session is None:
-            session = machine.open_session(dict(kwargs.get("tools_kwargs") or {}))
+            tools_kwargs = dict(kwargs.get("tools_kwargs") or {})
+            session = machine.open_session(tools_kwargs, interaction_kwargs_of(kwargs), request_id)
         start = time.perf_counter()
         try:
             await machine.converse(conv, _engine_params(), session)
@@ -164,6 +178,7 @@ class ToolAgentLoop(AgentLoopBase):
             "tool_calls": conv.tool_calls,
             "tool_failures": conv.tool_failures,
             "tool_rewards": conv.tool_reward,
+            "turn_scores": list(conv.turn_scores),
             "conversation": _state(conv),
         }
         return AgentLoopOutput(
@@ -181,12 +196,30 @@ class ToolAgentLoop(AgentLoopBase):
         )
 
 
-# A conversation's counters kept across an abort (extra_fields["conversation"]).
-STATE_FIELDS = ("assistant_turns", "user_turns", "tool_calls", "tool_failures", "turn_start", "finish_reason")
+# A conversation's counters (and the chat an interaction reads) kept across an abort
+# (extra_fields["conversation"]).
+STATE_FIELDS = (
+    "assistant_turns",
+    "user_turns",
+    "tool_calls",
+    "tool_failures",
+    "turn_start",
+    "finish_reason",
+    "messages",
+    "turn_scores",
+)
+
+
+def interaction_kwargs_of(fields: dict) -> dict:
+    """A sample's ``interaction_kwargs``: ``extra_info["interaction_kwargs"]`` (where verl reads them),
+    else the dataset's ``interaction_kwargs`` field (the same, taken out of ``extra_info``)."""
+    extra = fields.get("extra_info")
+    found = extra.get("interaction_kwargs") if isinstance(extra, dict) else None
+    return dict(found if found is not None else fields.get("interaction_kwargs") or {})
 
 
 def _state(conv) -> dict:
-    return {name: getattr(conv, name) for name in STATE_FIELDS}
+    return {name: copy.deepcopy(getattr(conv, name)) for name in STATE_FIELDS}
 
 
 class _Previous:
@@ -211,7 +244,7 @@ class _Previous:
         conv.response_ids, conv.response_mask = list(out.response_ids), list(out.response_mask)
         conv.log_probs = list(out.response_logprobs or [0.0] * len(out.response_ids))
         for name, value in (self.extra.get("conversation") or {}).items():
-            setattr(conv, name, value)
+            setattr(conv, name, copy.deepcopy(value))
         conv.finish_reason = "abort"  # continue the cut turn
         return conv
 

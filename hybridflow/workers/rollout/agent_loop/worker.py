@@ -47,6 +47,8 @@ from hybridflow.workers.rollout.base import assemble_output, sample_seed, sampli
 
 # extra_fields a loop may return that become per-sample columns (numbers) of the batch
 NUMERIC_EXTRAS = ("tool_calls", "tool_failures", "tool_rewards")
+# extra_fields the reward function sees in its extra_info (verl's tool_extra_fields): tool_agent's
+TOOL_EXTRA_FIELDS = ("turn_scores", "tool_rewards")
 SCORING_THREADS = 8  # samples scored at once in one worker (off its event loop)
 
 
@@ -365,6 +367,10 @@ class AgentLoopWorker:
         for key in NUMERIC_EXTRAS:
             if key in output.extra_fields:
                 sample.non_tensor_batch[key] = np.array([output.extra_fields[key]])
+        if "turn_scores" in output.extra_fields:
+            sample.non_tensor_batch["turn_scores"] = _column([list(output.extra_fields["turn_scores"])])
+        shown = {key: output.extra_fields[key] for key in TOOL_EXTRA_FIELDS if key in output.extra_fields}
+        sample.non_tensor_batch["tool_extra_fields"] = _column([shown])
         return sample
 
     def _assemble(self, batch: DataProto, outputs: list[AgentLoopOutput], scores: list) -> DataProto:
@@ -378,6 +384,8 @@ class AgentLoopWorker:
         for key in NUMERIC_EXTRAS:
             if any(key in o.extra_fields for o in outputs):
                 columns[key] = np.array([o.extra_fields.get(key, 0) for o in outputs])
+        if any("turn_scores" in o.extra_fields for o in outputs):  # an interaction's, a list per sample
+            columns["turn_scores"] = _column([list(o.extra_fields.get("turn_scores", [])) for o in outputs])
         if (
             all(s is not None or o.reward_score is not None for s, o in zip(scores, outputs, strict=True))
             and rows

@@ -3,7 +3,8 @@
 :class:`DecodeStep` runs ``k`` decode steps (``k = 1``, or a burst of ``decode_steps_per_sync``) for
 rows ``0..B-1`` of the KV cache and reads their tokens and log-probs back once. Its inputs live in
 buffers allocated once per cache (``tokens``, ``lengths``, the seeded streams' keys, each (S,) for S
-cache slots), and one step is :meth:`DecodeStep._forward`: the model's decode, the draws and the
+running rows at most, and the rows' block tables (S, W)), and one step is :meth:`DecodeStep._forward`:
+the model's decode, the draws and the
 token choice (greedy, temperature, top-k, top-p; seeded rows' counter-based uniforms), the chosen
 tokens' log-probs, and the buffers advanced for the next step. Nothing in it reads the device or
 branches on a device value, and every shape is fixed by ``(bucket, span)``, so:
@@ -11,17 +12,18 @@ branches on a device value, and every shape is fixed by ``(bucket, span)``, so:
 - on CUDA (``capture``) the batch is padded to a bucket (:func:`decode_buckets`; verl's
   ``rollout.cudagraph_capture_sizes`` when given) and each step is a replay of a ``torch.cuda.CUDAGraph``
   captured once per (bucket, span, sampling settings). The engine's generator is registered with the
-  graph, so unseeded draws advance on every replay. Padding rows (token 0 at position 0 of free
-  slots) never touch a real row: every op is row-wise (one row's logits do not depend on another's).
-  Attention there reads only each row's valid keys (FlexAttention, :mod:`.attention`), so the span is
-  the whole cache and one graph serves each bucket;
+  graph, so unseeded draws advance on every replay. Padding rows (token 0 at position 0, their table
+  all block 0: the pool's scratch block, never given to a sequence) never touch a real row's
+  result: every op is row-wise (one row's logits do not depend on another's). Attention there gathers
+  a span of each row's table (:mod:`.attention`), rounded up to :data:`SPAN_BLOCK` positions;
 - on the CPU nothing is captured and the batch is not padded (``pad=False``): the same function runs
-  eagerly at the running batch's size, reading ``max(lengths) + k`` positions. This is what
+  eagerly at the running batch's size, its attention reading each row's valid keys in place (the
+  paged kernel, :mod:`.paged_kernel`). This is what
   ``enforce_eager=false`` means on the CPU: compiling the step with inductor did not beat the eager
   step with oneDNN's packed weights (docs/benchmarks.md), so the CPU runs eagerly either way.
 
 Graphs hold the addresses of the cache, the weights and the buffers: when any of them is re-created
-(``free_cache_engine`` re-allocates the cache per rollout, a weight release re-allocates the weights)
+(``free_cache_engine`` re-allocates the block pool per rollout, a weight release re-allocates the weights)
 the graphs are dropped and captured again on first use, and ``stats["graph_capture_s"]`` counts the
 time. In-place weight updates keep the addresses, so the next replay reads the new weights.
 """
@@ -62,7 +64,8 @@ class StepRows:
     """What the host hands a decode burst for its B running rows (host lists, uploaded once)."""
 
     tokens: list[int]  # (B,) the token each row feeds (its last chosen)
-    lengths: list[int]  # (B,) tokens already in each row's cache slot
+    lengths: list[int]  # (B,) tokens already in each row's blocks
+    tables: list[list[int]]  # (B, <= W) each row's block table (its blocks cover the burst's positions)
     seeds: list[tuple[int, int, int]] | None  # (B,) (seed, sample, position) per row; None: no seeded row
     seeded: list[bool] | None  # (B,) which rows draw from their seeded stream
     # (B,) rotary position - cache position per row (image prompts' rope_delta); None: all 0
@@ -72,11 +75,12 @@ class StepRows:
 class _Buffers:
     """The step's fixed inputs and outputs for ``slots`` rows and bursts of up to ``steps``."""
 
-    def __init__(self, slots: int, steps: int, device: torch.device) -> None:
+    def __init__(self, slots: int, steps: int, width: int, device: torch.device) -> None:
         def zeros(*shape, dtype=torch.long):
             return torch.zeros(*shape, dtype=dtype, device=device)
 
         self.tokens, self.lengths = zeros(slots), zeros(slots)  # (S,)
+        self.tables = zeros(slots, width)  # (S, W) block ids; padding rows: block 0
         self.keys = zeros(3, slots)  # (3, S): seed, sample index, stream position
         self.seeded = zeros(slots, dtype=torch.bool)  # (S,)
         self.rope_offsets = zeros(slots)  # (S,) added to lengths for the rotary positions
@@ -97,6 +101,8 @@ class DecodeStep:
         cache,
         generator: torch.Generator,
         buckets: list[int],
+        max_rows: int,
+        max_len: int,
         capture: bool = False,
         pad: bool | None = None,
         max_steps: int = 1,
@@ -110,11 +116,13 @@ class DecodeStep:
                 "would need capturing per rank): set rollout.enforce_eager=true"
             )
         self.model, self.cache, self.generator = model, cache, generator
+        self.max_rows, self.max_len = int(max_rows), int(max_len)
+        self.width = -(-self.max_len // cache.block_size)  # blocks of the longest sequence
         self.buckets = list(buckets)
         self.capture = bool(capture)
         self.pad = self.capture if pad is None else bool(pad)
         self.max_steps = int(max_steps)
-        self.attention = pick_backend(model.device, self.capture)
+        self.attention = pick_backend(model.device, model.dtype)
         self._buffers: _Buffers | None = None
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._signature: tuple | None = None
@@ -130,12 +138,12 @@ class DecodeStep:
     # ------------------------------------------------------------------ the host's view
     def bucket(self, batch: int) -> int:
         """Rows the step runs for ``batch`` running rows: the smallest bucket that holds them (at most
-        the cache's slots) when padding, else ``batch``."""
+        ``max_rows``) when padding, else ``batch``."""
         if not self.pad:
             return batch
         for size in self.buckets:
             if size >= batch:
-                return min(size, self.cache.num_slots)
+                return min(size, self.max_rows)
         return batch
 
     def run(
@@ -178,7 +186,13 @@ class DecodeStep:
         tokens, lengths = b.tokens[:size], b.lengths[:size]
         rope = lengths + b.rope_offsets[:size] if self._offsets else None
         logits = self.model.decode(
-            tokens, lengths, self.cache, span=span, attention=self.attention, rope_positions=rope
+            tokens,
+            lengths,
+            self.cache,
+            b.tables[:size],
+            span=span,
+            attention=self.attention,
+            rope_positions=rope,
         )
         uniforms = None
         if seeded:  # seeded rows from their streams, the others from the engine's generator
@@ -198,10 +212,13 @@ class DecodeStep:
         if signature != self._signature:
             self.reset()
             self._signature = signature
-            self._buffers = _Buffers(self.cache.num_slots, self.max_steps, self.model.device)
+            self._buffers = _Buffers(self.max_rows, self.max_steps, self.width, self.model.device)
         b, batch = self._buffers, len(rows.tokens)
         b.tokens[:batch].copy_(torch.tensor(rows.tokens), non_blocking=True)
         b.lengths[:batch].copy_(torch.tensor(rows.lengths), non_blocking=True)
+        used = max(len(table) for table in rows.tables)
+        tables = torch.tensor([table + [0] * (used - len(table)) for table in rows.tables], dtype=torch.long)
+        b.tables[:batch, :used].copy_(tables, non_blocking=True)
         self._offsets = rows.rope_offsets is not None
         if self._offsets:
             b.rope_offsets[:batch].copy_(torch.tensor(rows.rope_offsets), non_blocking=True)
@@ -209,19 +226,19 @@ class DecodeStep:
         if rows.seeds is not None:
             b.keys[:, :batch].copy_(torch.tensor(rows.seeds, dtype=torch.long).T, non_blocking=True)
             b.seeded[:batch].copy_(torch.tensor(rows.seeded), non_blocking=True)
-        if self.pad:  # padding rows: token 0 at position 0, no seeded stream
-            for tensor in (b.tokens, b.lengths, b.seeded):
+        if self.pad:  # padding rows: token 0 at position 0 of block 0, no seeded stream
+            for tensor in (b.tokens, b.lengths, b.seeded, b.tables):
                 tensor[batch:].zero_()
         return b
 
     def _span(self, needed: int) -> int | None:
-        """Positions the attention reads: None (the whole cache, each row its valid keys) with
-        FlexAttention; else ``needed`` eagerly, rounded up to :data:`SPAN_BLOCK` when captured."""
-        if self.attention == "flex":
+        """Positions the attention reads: None with the paged kernel (each row its valid keys); else
+        ``needed`` (the burst's last step's), rounded up to :data:`SPAN_BLOCK` when captured."""
+        if self.attention == "kernel":
             return None
         if not self.capture:
             return needed
-        return min(self.cache.max_len, -(-needed // SPAN_BLOCK) * SPAN_BLOCK)
+        return min(self.width * self.cache.block_size, -(-needed // SPAN_BLOCK) * SPAN_BLOCK)
 
     def _capturable(self, size: int) -> bool:
         """Whether a step of ``size`` rows replays a graph (a batch above the last bucket: not)."""
@@ -231,8 +248,7 @@ class DecodeStep:
         """Where the cache and the weights live now (a graph replays reads and writes there)."""
         model, cache = self.model, self.cache
         return (
-            cache.num_slots,
-            cache.max_len,
+            cache.num_blocks,
             cache.layers[0][0].data_ptr(),
             cache.layers[-1][1].data_ptr(),
             model.embed.data_ptr(),
@@ -241,21 +257,17 @@ class DecodeStep:
         )
 
     def _graph_or_none(self, key: tuple, params: SamplingParams):
-        """:meth:`_graph`, or None when capturing fails (said once, kept in ``capture_error``): with
-        FlexAttention the next steps capture with span attention; failing that, they run uncaptured."""
+        """:meth:`_graph`, or None when capturing fails (said once, kept in ``capture_error``): the next
+        steps run uncaptured."""
         try:
             return self._graph(key, params)
         except Exception as error:  # noqa: BLE001 - a capture failure degrades, it does not stop a rollout
             self.capture_error = f"{type(error).__name__}: {error}"
-            fallback = "span attention" if self.attention == "flex" else "uncaptured"
             warnings.warn(
-                f"CUDA graph capture failed ({self.capture_error}); decoding {fallback}", stacklevel=2
+                f"CUDA graph capture failed ({self.capture_error}); decoding uncaptured", stacklevel=2
             )
             self._graphs.clear()
-            if self.attention == "flex":
-                self.attention = "span"  # this step runs uncaptured (reading its span back), the next capture
-            else:
-                self.capture = False
+            self.capture = False
             return None
 
     def _graph(self, key: tuple, params: SamplingParams):
@@ -266,13 +278,13 @@ class DecodeStep:
         start = time.perf_counter()
         size, span, _, seeded, _ = key
         b = self._buffers
-        inputs = (b.tokens, b.lengths, b.keys, b.log_probs)
+        inputs = (b.tokens, b.lengths, b.keys, b.log_probs, b.tables)
         saved = [t.clone() for t in inputs]
         rng = self.generator.get_state()
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up (compiles FlexAttention, sizes workspaces)
+            with torch.cuda.stream(stream):  # warm-up (sizes workspaces)
                 self._forward(size, span, params, seeded)  # one step: a second could pass the room
             torch.cuda.current_stream().wait_stream(stream)
             self.generator.set_state(rng)  # before registering: capture records offsets from here

@@ -1,11 +1,13 @@
-"""A preallocated KV cache: one (slots, nkv, max_len, hd) key and value tensor per layer.
+"""The paged KV cache: one pool of blocks per layer, keys and values each (nkv, num_blocks, block_size, hd).
 
-Each running sequence owns one slot (a row). The engine keeps its running batch packed into the
-first B slots, so a decode step reads plain slices; when a sequence finishes, the last running row is
-moved into its slot (:meth:`KVCache.move_rows`). The slot count comes from a memory budget; a call
-that knows its rows and lengths allocates only what it needs (:meth:`KVCache.allocate`), since the
-cache is re-created for every rollout (``free_cache_engine``) and zeroing a budget-sized cache costs
-more than decoding a few short answers.
+A sequence's positions live in the blocks of its block table, in order (position ``p`` at offset
+``p % block_size`` of block ``table[p // block_size]``); which blocks are free, shared or cached is
+the host's bookkeeping (:mod:`.block_pool`). The pool is sized once from a memory budget
+(:func:`blocks_for_budget`: verl's ``gpu_memory_utilization`` or our ``kv_cache_memory_gb``) and
+allocated whole; :meth:`PagedKVCache.allocate` may take fewer blocks for a call that knows its rows
+and lengths (``free_cache_engine`` re-creates the cache per rollout, and zeroing a budget-sized cache
+costs more than decoding a few short answers). Heads are the outer dimension, so one head's gathered
+span is contiguous (:func:`.attention.gather_span`) and the CPU kernel reads it in place.
 """
 
 from __future__ import annotations
@@ -14,39 +16,50 @@ import torch
 
 from hybridflow.workers.rollout.engine.model import ModelSpec
 
+DEFAULT_BLOCK_SIZE = 16  # positions per block (vLLM's GPU default); measured in docs/benchmarks.md
 
-def bytes_per_slot(spec: ModelSpec, max_len: int, dtype: torch.dtype) -> int:
-    """K and V for every layer of one sequence of ``max_len`` tokens."""
+
+def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+    """K and V for every layer of one block of ``block_size`` positions."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * max_len * element
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * block_size * element
 
 
-def slots_for_budget(
-    spec: ModelSpec, max_len: int, dtype: torch.dtype, budget_bytes: int, max_slots: int
+def blocks_for_budget(
+    spec: ModelSpec, block_size: int, dtype: torch.dtype, budget_bytes: int, max_model_len: int
 ) -> int:
-    """How many sequences fit in ``budget_bytes`` (at most ``max_slots``); raises if not even one."""
-    per_slot = bytes_per_slot(spec, max_len, dtype)
-    slots = min(int(max_slots), int(budget_bytes // per_slot))
-    if slots < 1:
+    """How many blocks fit in ``budget_bytes``; raises unless they hold one ``max_model_len`` sequence."""
+    per_block = bytes_per_block(spec, block_size, dtype)
+    blocks = int(budget_bytes // per_block)
+    needed = -(-int(max_model_len) // block_size)
+    if blocks < needed:
         raise MemoryError(
-            f"KV cache budget {budget_bytes / 2**20:.1f} MiB holds no sequence of {max_len} tokens "
-            f"({per_slot / 2**20:.1f} MiB each); raise the budget or lower max_model_len"
+            f"KV cache budget {budget_bytes / 2**20:.1f} MiB holds {blocks} blocks of {block_size} "
+            f"positions ({per_block / 2**20:.2f} MiB each), not one sequence of max_model_len="
+            f"{max_model_len} ({needed} blocks); raise the budget or lower max_model_len"
         )
-    return slots
+    return blocks
 
 
-class KVCache:
-    """``layers[i]`` is ``(keys, values)``, each (slots, nkv, max_len, hd). Empty after :meth:`release`."""
+class PagedKVCache:
+    """``layers[i]`` is ``(keys, values)``, each (nkv, num_blocks, block_size, hd); empty after
+    :meth:`release`. ``capacity_blocks``: the most :meth:`allocate` creates."""
 
     def __init__(
-        self, spec: ModelSpec, num_slots: int, max_len: int, dtype: torch.dtype, device, allocate: bool = True
+        self,
+        spec: ModelSpec,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device,
+        allocate: bool = True,
     ) -> None:
         self.spec, self.dtype, self.device = spec, dtype, torch.device(device)
-        self.capacity_slots, self.capacity_len = int(num_slots), int(max_len)
-        # the allocated shape: the capacity unless allocate() was asked for less
-        self.num_slots, self.max_len = self.capacity_slots, self.capacity_len
+        self.block_size = int(block_size)
+        self.capacity_blocks = int(num_blocks)
+        self.num_blocks = self.capacity_blocks  # the allocated count (allocate() may take fewer)
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if allocate:  # else the first allocate() (the engine's resume) creates it, sized as asked
+        if allocate:
             self.allocate()
 
     @property
@@ -57,15 +70,14 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers)
 
-    def allocate(self, slots: int | None = None, length: int | None = None) -> None:
-        """Create the cache tensors: ``slots`` rows of ``length`` positions (each at most the capacity;
-        None: the capacity). A no-op while allocated."""
+    def allocate(self, blocks: int | None = None) -> None:
+        """Create the pool: ``blocks`` blocks (at most the capacity; None: the capacity). A no-op while
+        allocated."""
         if self.allocated:
             return
-        self.num_slots = min(self.capacity_slots, int(slots)) if slots else self.capacity_slots
-        self.max_len = min(self.capacity_len, int(length)) if length else self.capacity_len
-        shape = (self.num_slots, self.spec.num_kv_heads, self.max_len, self.spec.head_dim)
-        # zeros, not empty: masked positions still meet V in attention (0 x NaN garbage would be NaN)
+        self.num_blocks = min(self.capacity_blocks, int(blocks)) if blocks else self.capacity_blocks
+        shape = (self.spec.num_kv_heads, self.num_blocks, self.block_size, self.spec.head_dim)
+        # zeros, not empty: a gathered span's masked positions still meet V (0 x NaN garbage is NaN)
         self.layers = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -75,24 +87,28 @@ class KVCache:
         ]
 
     def release(self) -> None:
-        """Drop every cache tensor (the memory returns to the allocator)."""
+        """Drop every pool tensor (the memory returns to the allocator)."""
         self.layers = []
 
-    def flat_positions(self, lengths: torch.Tensor) -> torch.Tensor:
-        """For rows 0..B-1 writing at positions ``lengths`` (B,): their (B * nkv,) row indices in a
-        layer tensor viewed as (slots * nkv * max_len, hd), head-major within a row."""
-        heads = torch.arange(self.spec.num_kv_heads, device=lengths.device)
-        rows = torch.arange(lengths.shape[0], device=lengths.device)
-        return (
-            (rows[:, None] * self.spec.num_kv_heads + heads[None, :]) * self.max_len + lengths[:, None]
-        ).reshape(-1)
+    def slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat slot ids (block * block_size + offset) of ``positions`` (N,) of rows ``table`` (N, W)."""
+        block = table.gather(1, (positions // self.block_size).unsqueeze(1)).squeeze(1)
+        return block * self.block_size + positions % self.block_size
 
-    def move_rows(self, src: list[int], dst: list[int], length: int) -> None:
-        """Copy the first ``length`` positions of slots ``src`` into slots ``dst`` (all layers)."""
-        if not src:
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k and v (N, nkv, hd) at flat ``slots`` (N,) of ``layer``'s pool."""
+        keys, values = self.layers[layer]
+        nkv, hd = self.spec.num_kv_heads, self.spec.head_dim
+        keys.view(nkv, -1, hd).index_copy_(1, slots, k.transpose(0, 1).to(keys.dtype))
+        values.view(nkv, -1, hd).index_copy_(1, slots, v.transpose(0, 1).to(values.dtype))
+
+    def copy_blocks(self, sources: list[int], targets: list[int]) -> None:
+        """Copy whole blocks ``sources`` into ``targets`` in every layer (a prompt's partial last block
+        into each of its other samples' own block)."""
+        if not sources:
             return
-        src_index = torch.tensor(src, device=self.device)
-        dst_index = torch.tensor(dst, device=self.device)
+        src = torch.tensor(sources, device=self.device)
+        dst = torch.tensor(targets, device=self.device)
         for keys, values in self.layers:
-            keys[dst_index, :, :length] = keys[src_index, :, :length]
-            values[dst_index, :, :length] = values[src_index, :, :length]
+            keys[:, dst] = keys[:, src]
+            values[:, dst] = values[:, src]

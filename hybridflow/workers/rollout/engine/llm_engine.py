@@ -1,9 +1,13 @@
 """The embedded generation engine: a continuous-batching scheduler over :class:`EngineModel`.
 
-Each :meth:`LLMEngine.step` admits waiting requests into free cache slots (the ``n`` samples of a
-request share one prompt prefill), then decodes one token for every running sequence. Sequences
-leave the batch the step they finish, and new requests join at the next step, so a long sequence
-never holds up the rest.
+Each :meth:`LLMEngine.step` admits waiting requests onto free KV blocks (:mod:`.block_scheduler`: the
+paged cache of :mod:`.kv_cache`; a prompt's cached prefix is shared and only the tokens past it are
+prefilled; the ``n`` samples of a request share one prefill and its full blocks), then decodes one
+token for every running sequence, taking blocks as sequences grow and preempting the newest when the
+pool runs out (recomputed later, with the same output). Sequences leave the batch the step they
+finish, and new requests join at the next step, so a long sequence never holds up the rest. A weight
+change flushes the prefix cache (:attr:`EngineModel.weights_version`), so keys and values computed with
+old weights are never reused.
 
 With ``decode_steps_per_sync`` = k > 1 one step decodes up to k tokens per sequence on the device and
 reads them back once (a GPU idles while the host reads); stops and lengths are then applied on the host
@@ -16,8 +20,7 @@ seeded samples are token for token those of k = 1. Two ways in:
 
 - :meth:`LLMEngine.generate_batch` — a list of prompts in, their completions out (the rollout's path);
 - ``await engine.generate(prompt_ids, params)`` — one request; many concurrent calls (multi-turn
-  conversations) share the running batch. With ``step_in_thread`` (the OpenAI server) each step runs in
-  the engine's own thread, so the event loop keeps answering while a long prefill runs.
+  conversations) share the running batch (:mod:`.async_api`).
 
 **One request fails alone.** A request is checked when it is added (token ids within the vocabulary,
 a seed within int64, room in the context and the cache: ``ValueError``). A request whose prefill
@@ -28,36 +31,38 @@ stop checker that raises fails its own request. The batch's other requests go on
 
 from __future__ import annotations
 
-import asyncio
+import hashlib
 import itertools
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from hybridflow.workers.rollout.engine.accept import TokenAcceptance
+from hybridflow.workers.rollout.engine.async_api import AsyncEngineAPI
+from hybridflow.workers.rollout.engine.block_pool import BlockPool
+from hybridflow.workers.rollout.engine.block_scheduler import BlockScheduler, PrefillItem
 from hybridflow.workers.rollout.engine.decode_step import DecodeStep, StepRows, decode_buckets
-from hybridflow.workers.rollout.engine.kv_cache import KVCache
+from hybridflow.workers.rollout.engine.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
 from hybridflow.workers.rollout.engine.model import EngineModel
 from hybridflow.workers.rollout.engine.requests import (
     Completion,
     EngineRequest,
-    EngineRequestError,
     GenerationResult,
     RunningSequence,
     finished_completion,
     raise_failed,
-    settle,
     stream_keys,
-    top_alternatives,
 )
-from hybridflow.workers.rollout.engine.sampling import SamplingParams, choose_tokens, seeded_uniforms
+from hybridflow.workers.rollout.engine.sampling import SamplingParams
 from hybridflow.workers.rollout.engine.vision import image_prefill_inputs
 
 
-class LLMEngine:
-    """``max_num_seqs`` sequences run at once at most (the KV cache has that many slots, each
-    ``max_model_len`` tokens long); a prefill processes at most ``max_num_batched_tokens`` padded
-    prompt tokens (at least one request)."""
+class LLMEngine(AsyncEngineAPI, TokenAcceptance):
+    """``max_num_seqs`` sequences run at once at most, each at most ``max_model_len`` positions, on a
+    pool of ``num_blocks`` KV blocks of ``block_size`` positions (default: as many as
+    ``max_num_seqs`` sequences of ``max_model_len`` fill); a prefill processes at most
+    ``max_num_batched_tokens`` padded new tokens (at least one request). ``enable_prefix_caching``:
+    full blocks are keyed and shared across requests (off: only the samples of a request share)."""
 
     def __init__(
         self,
@@ -72,6 +77,9 @@ class LLMEngine:
         enforce_eager: bool = False,
         cudagraph_capture_sizes: list[int] | None = None,
         pad_batches: bool | None = None,
+        num_blocks: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        enable_prefix_caching: bool = True,
     ) -> None:
         if max_model_len > model.max_positions:
             raise ValueError(
@@ -84,9 +92,20 @@ class LLMEngine:
         if int(decode_steps_per_sync) < 1:
             raise ValueError(f"decode_steps_per_sync={decode_steps_per_sync} must be at least 1")
         self.decode_steps_per_sync = int(decode_steps_per_sync)
-        self.cache = KVCache(
-            model.spec, max_num_seqs, max_model_len, model.dtype, model.device, allocate=allocate_cache
+        self.max_num_seqs = int(max_num_seqs)
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        if num_blocks is None:
+            num_blocks = self.max_num_seqs * -(-self.max_model_len // int(block_size))
+        # one more than the scheduler's blocks: block 0 is scratch (.block_pool)
+        self.cache = PagedKVCache(
+            model.spec, int(num_blocks) + 1, block_size, model.dtype, model.device, allocate=allocate_cache
         )
+        self.scheduler = BlockScheduler(
+            BlockPool(self.cache.num_blocks - 1, block_size, self.enable_prefix_caching),
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+        )
+        self._weights_seen = model.weights_version
         self.generator = torch.Generator(device=model.device).manual_seed(int(seed))
         # static_steps: decode steps of the static step (decode_step.py); eager_steps: of the eager
         # fallback, which eager_reasons counts by reason
@@ -97,22 +116,23 @@ class LLMEngine:
             self.cache,
             self.generator,
             decode_buckets(max_num_seqs, cudagraph_capture_sizes),
+            max_rows=self.max_num_seqs,
+            max_len=self.max_model_len,
             capture=not enforce_eager and model.device.type == "cuda",
             pad=pad_batches,
             max_steps=self.decode_steps_per_sync,
             stats=self.stats,
         )
-        self._waiting: list[EngineRequest] = []
-        self._running: list[RunningSequence] = []
+        self._running: list[RunningSequence] = []  # in admission order (preempted from the end)
         self._ids = itertools.count()
-        self._loop_task: asyncio.Task | None = None
+        self._loop_task = None
         # step_in_thread: the async API steps in ``_executor``'s thread (requests join through the lock,
         # aborts asked while a step runs wait in ``_pending_aborts``, results go back to the loop)
         self.step_in_thread = False
-        self._executor: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
+        self._executor = None
+        self._lock = self.scheduler.lock
         self._pending_aborts: list[str] = []
-        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._event_loop = None
         self._stepping_in_thread = False
         self._step_thread: threading.Thread | None = None
         # host_reads: decode results read back to the host (one per step, or one per burst)
@@ -123,6 +143,8 @@ class LLMEngine:
             host_reads=0,
             aborted_requests=0,
             failed_requests=0,
+            prefix_cache_flushes=0,
+            preemptions=0,
         )
 
     # ------------------------------------------------------------------ public API
@@ -150,14 +172,21 @@ class LLMEngine:
         images = self._check_images(prompt_ids, images, request_id)
         if params.seed is not None and not -(2**63) <= params.seed < 2**63:
             raise ValueError(f"seed {params.seed} does not fit in a signed 64-bit integer")
-        max_len = self.cache.max_len  # max_model_len, or less where resume() sized the cache down
+        max_len = self.max_model_len
         if len(prompt_ids) >= max_len:
             raise ValueError(
                 f"prompt of {len(prompt_ids)} tokens leaves no room to generate within "
                 f"max_model_len={max_len}"
             )
-        if n > self.cache.num_slots:
-            raise ValueError(f"n={n} samples exceed the {self.cache.num_slots} KV-cache slots (max_num_seqs)")
+        if n > self.max_num_seqs:
+            raise ValueError(f"n={n} samples exceed max_num_seqs={self.max_num_seqs}")
+        pool = self.scheduler.pool
+        needed = self.scheduler.admission_blocks(len(prompt_ids), n)
+        if needed > pool.num_blocks:
+            raise ValueError(
+                f"a prompt of {len(prompt_ids)} tokens with n={n} samples needs {needed} KV blocks to start; "
+                f"the pool has {pool.num_blocks} of {pool.block_size} positions"
+            )
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else self.eos_token_ids
         )
@@ -170,9 +199,10 @@ class LLMEngine:
             max_new_tokens=min(params.max_new_tokens, max_len - len(prompt_ids)),
             completions=[None] * int(n),
             images=images,
+            image_digest=image_digest(images),
         )
         with self._lock:
-            self._waiting.append(request)
+            self.scheduler.waiting.append(request)
         return request
 
     def _check_images(self, prompt_ids: list[int], images: dict | None, request_id) -> dict | None:
@@ -184,7 +214,7 @@ class LLMEngine:
         return None if vision is None else vision.checked_images(prompt_ids, images, name)
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self.scheduler.waiting or self.scheduler.preempted or self._running)
 
     @property
     def num_running(self) -> int:
@@ -192,8 +222,13 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests added and not yet admitted into cache slots."""
-        return len(self._waiting)
+        """Requests added and not yet admitted, and preempted sequences waiting to be recomputed."""
+        return len(self.scheduler.waiting) + len(self.scheduler.preempted)
+
+    @property
+    def pool(self) -> BlockPool:
+        """The KV block pool's bookkeeping (usage, prefix-cache counters)."""
+        return self.scheduler.pool
 
     def generate_batch(
         self, prompts: list[list[int]], params: SamplingParams, n: int = 1
@@ -205,88 +240,46 @@ class LLMEngine:
         raise_failed(requests)
         return [r.result() for r in requests]
 
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        n: int = 1,
-        request_id: str | None = None,
-        images: dict | None = None,
-    ) -> GenerationResult:
-        """Generate for one prompt, sharing the running batch with every other pending call
-        (``images``: as :meth:`add_request`'s; a later turn of a conversation passes its first turn's)."""
-        request = self.add_request(prompt_ids, params, n, request_id, images=images)
-        request.future = asyncio.get_running_loop().create_future()
-        self._ensure_loop()
-        try:
-            return await request.future
-        except asyncio.CancelledError:  # the caller gave up (a client disconnected): free its slots
-            self.abort(request.request_id)
-            raise
-
-    async def stream(
-        self, prompt_ids: list[int], params: SamplingParams, n: int = 1, request_id: str | None = None
-    ):
-        """Like :meth:`generate`, as an async iterator: ``(sample, token id, log-prob)`` for each token
-        as it is chosen, then the :class:`GenerationResult`."""
-        request = self.add_request(prompt_ids, params, n, request_id)
-        request.listener = asyncio.Queue()
-        self._ensure_loop()
-        ended = False
-        try:
-            while True:
-                event = await request.listener.get()
-                if isinstance(event, BaseException):
-                    ended = True
-                    raise event
-                if isinstance(event, GenerationResult):
-                    ended = True
-                    if event.error is not None:
-                        raise EngineRequestError(event.error)
-                    yield event
-                    return
-                yield event
-        finally:
-            if not ended:  # the consumer stopped reading (a client disconnected): free its slots
-                self.abort(request.request_id)
-
-    async def score(self, sequences: list[list[int]], starts: list[int], k: int, temperature: float = 1.0):
-        """Top-``k`` log-probs at ``starts[i]:`` of each sequence, generating nothing (:mod:`.scoring`)."""
-        from hybridflow.workers.rollout.engine.scoring import score_in_engine
-
-        return await score_in_engine(self, sequences, starts, k, temperature)
-
-    def _ensure_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        if self._loop_task is None or self._loop_task.done():
-            self._event_loop = loop
-            self._loop_task = loop.create_task(self._run_loop())
-
     def release(self) -> None:
-        """Free the KV cache (between rollouts); the weights stay."""
+        """Free the KV cache (between rollouts); the weights stay. The prefix cache goes with it."""
         if self.has_unfinished():
             raise RuntimeError("cannot release the KV cache while requests are running")
         self.decoder.reset()  # its graphs hold the cache's addresses
         self.cache.release()
 
     def resume(self, rows: int | None = None, length: int | None = None) -> None:
-        """Re-create the KV cache freed by :meth:`release`: ``rows`` slots of ``length`` positions when
-        the caller knows that is all it will run (the samples of its requests, their longest prompt
-        plus ``max_new_tokens``), else ``max_num_seqs`` x ``max_model_len``."""
-        self.cache.allocate(rows, length)
+        """Re-create the KV cache freed by :meth:`release`: blocks for ``rows`` sequences of ``length``
+        positions when the caller knows that is all it will run (the samples of its requests, their
+        longest prompt plus ``max_new_tokens``), else the whole pool."""
+        if self.cache.allocated:
+            return
+        blocks = None
+        if rows:
+            blocks = int(rows) * -(-int(length or self.max_model_len) // self.cache.block_size) + 1
+        self.cache.allocate(blocks)
+        old = self.scheduler.pool
+        self.scheduler.pool = BlockPool(
+            self.cache.num_blocks - 1, self.cache.block_size, self.enable_prefix_caching
+        )
+        for name in ("prefix_queries", "prefix_hits", "evictions"):  # counters run over the engine's life
+            self.scheduler.pool.stats[name] = old.stats[name]
 
-    # ------------------------------------------------------------------ scheduling
     def abort(self, request_id: str) -> GenerationResult | None:
         """End ``request_id`` now: each unfinished sample keeps the tokens (and log-probs) generated so
-        far, with ``finish_reason="abort"``; its cache slots are freed. None when no such request runs.
+        far, with ``finish_reason="abort"``; its blocks are freed. None when no such request runs.
         Asked while a step runs in the engine's thread, the abort happens before the next step (None)."""
         if self._stepping_in_thread and threading.current_thread() is not self._step_thread:
             self._pending_aborts.append(request_id)
             return None
+        waiting, preempted = self.scheduler.waiting, self.scheduler.preempted
         with self._lock:
-            request = next((r for r in self._waiting if r.request_id == request_id), None)
+            request = next((r for r in waiting if r.request_id == request_id), None)
             if request is not None:
-                self._waiting.remove(request)
+                waiting.remove(request)
+        for seq in [s for s in preempted if s.request.request_id == request_id]:
+            preempted.remove(seq)
+            request = seq.request
+            request.completions[seq.index] = finished_completion(seq, "abort")
         for seq in self._running:
             if seq.request.request_id == request_id and seq.pending != -2:
                 request = seq.request
@@ -308,8 +301,10 @@ class LLMEngine:
             raise RuntimeError("the KV cache is released; call resume() before generating")
         while self._pending_aborts:
             self.abort(self._pending_aborts.pop())
+        if self.model.weights_version != self._weights_seen:
+            self._flush_prefix_cache()
         finished: list[EngineRequest] = []
-        admitted = self._admit()
+        admitted = self.scheduler.admit(len(self._running))
         if admitted:
             self._prefill(admitted, finished)
             self._compact()
@@ -321,43 +316,50 @@ class LLMEngine:
             self._deliver(request, result)
         return results
 
-    def _admit(self) -> list[EngineRequest]:
-        free = self.cache.num_slots - len(self._running)
-        admitted, widest = [], 0
-        with self._lock:
-            while self._waiting and self._waiting[0].n <= free:
-                request = self._waiting[0]
-                width = max(widest, len(request.prompt_ids))
-                if admitted and (len(admitted) + 1) * width > self.max_num_batched_tokens:
-                    break
-                self._waiting.pop(0)
-                admitted.append(request)
-                free -= request.n
-                widest = width
-        return admitted
+    def _flush_prefix_cache(self) -> None:
+        """The weights changed: no block computed with the old ones is found again, and the sequences
+        still holding such blocks never key them."""
+        self._weights_seen = self.model.weights_version
+        self.pool.flush()
+        for seq in [*self._running, *self.scheduler.preempted]:
+            seq.cacheable = False
+        self.stats["prefix_cache_flushes"] += 1
 
-    def _prefill(self, requests: list[EngineRequest], finished: list[EngineRequest]) -> None:
-        """Prefill ``requests`` together; if that raises, each alone, so that a request whose prefill
+    def _prefill(self, items: list[PrefillItem], finished: list[EngineRequest]) -> None:
+        """Prefill ``items`` together; if that raises, each alone, so that a request whose prefill
         fails fails by itself (:meth:`_fail`) and the others start."""
         try:
-            self._prefill_together(requests, finished)
+            self._prefill_together(items, finished)
         except Exception as error:
-            if len(requests) == 1:
-                self._fail(requests[0], error, finished)
+            if len(items) == 1:
+                self._fail_item(items[0], error, finished)
                 return
-            for request in requests:
+            for item in items:
                 try:
-                    self._prefill_together([request], finished)
+                    self._prefill_together([item], finished)
                 except Exception as alone:
-                    self._fail(request, alone, finished)
+                    self._fail_item(item, alone, finished)
+
+    def _fail_item(self, item: PrefillItem, error: BaseException, finished: list[EngineRequest]) -> None:
+        """An item whose prefill raised: its blocks go back and its request fails."""
+        for table in item.tables:
+            self.pool.drop(table)
+        if item.resumed is not None:
+            item.resumed.blocks = []
+            self._running.append(item.resumed)  # retired below with the request's other samples
+        self._fail(item.request or item.resumed.request, error, finished)
+        self._compact()
 
     def _fail(self, request: EngineRequest, error: BaseException, finished: list[EngineRequest]) -> None:
-        """End ``request`` with ``error``: its running samples retire (their slots free at the next
+        """End ``request`` with ``error``: its running samples retire (their blocks free at the next
         compaction) with the tokens they have, ``finish_reason="error"``."""
         if request.error is not None:
             return
         request.error = error
         self.stats["failed_requests"] += 1
+        for seq in [s for s in self.scheduler.preempted if s.request is request]:
+            self.scheduler.preempted.remove(seq)
+            self._running.append(seq)  # no blocks: retired below like the running samples
         for seq in self._running:
             if seq.request is request and seq.pending != -2:
                 seq.pending = -2
@@ -370,45 +372,95 @@ class LLMEngine:
                 request.completions[seq.index] = Completion(seq.token_ids, seq.log_probs, "error")
         finished.append(request)
 
-    def _prefill_together(self, requests: list[EngineRequest], finished: list[EngineRequest]) -> None:
+    def _prefill_together(self, items: list[PrefillItem], finished: list[EngineRequest]) -> None:
+        """One prefill of every item's tokens past its cached prefix (written through its first
+        sample's table), then the samples' partial blocks copied, their full blocks keyed, and the new
+        requests' first tokens chosen (a recomputed sequence keeps its pending token)."""
         device = self.model.device
-        lengths = [len(r.prompt_ids) for r in requests]
-        tokens = torch.zeros(len(requests), max(lengths), dtype=torch.long)
-        for row, request in enumerate(requests):
-            tokens[row, : lengths[row]] = torch.tensor(request.prompt_ids)
-        new_seqs, source = [], []
-        for row, request in enumerate(requests):
-            for index in range(request.n):
-                new_seqs.append(
-                    RunningSequence(
-                        request, index, slot=len(self._running) + len(new_seqs), length=lengths[row]
-                    )
-                )
-                source.append(row)
-        slots = torch.tensor([s.slot for s in new_seqs], device=device)
+        new = [item.tokens[item.start :] for item in items]
+        lengths = [len(tokens) for tokens in new]
+        tokens = torch.zeros(len(items), max(lengths), dtype=torch.long)
+        for row, row_tokens in enumerate(new):
+            tokens[row, : lengths[row]] = torch.tensor(row_tokens)
         tokens, lengths_t = tokens.to(device), torch.tensor(lengths, device=device)
-        inputs = {}
-        if any(r.images for r in requests):  # image features in the embeddings, M-RoPE (.vision)
-            embeds, rope, deltas = image_prefill_inputs(
-                self.model, tokens, lengths_t, [r.images for r in requests]
-            )
-            inputs = {"embeds": embeds, "rope": rope}
-            for seq, row in zip(new_seqs, source, strict=True):
-                seq.rope_delta = int(deltas[row])
-        logits = self.model.prefill(
-            tokens, lengths_t, self.cache, slots, torch.tensor(source, device=device), **inputs
-        )
-        self._running.extend(new_seqs)
+        table = self._table([item.tables[0] for item in items])
+        starts = [item.start for item in items]
+        inputs, deltas = {}, [0] * len(items)
+        if any(self._images(item) for item in items):  # image features in the embeddings, M-RoPE (.vision)
+            inputs, deltas = self._image_inputs(items, starts, max(lengths))
+        logits = self.model.prefill(tokens, lengths_t, self.cache, table, starts, **inputs)
+        self.cache.copy_blocks(*self._partial_copies(items))
         self.stats["prefill_tokens"] += sum(lengths)
-        self._accept(new_seqs, logits[torch.tensor(source, device=device)], finished)
+        new_seqs, source = [], []
+        for row, item in enumerate(items):
+            if item.resumed is not None:
+                seq = item.resumed
+                seq.blocks, seq.length, seq.keys = item.tables[0], len(item.tokens), []
+                self._running.append(seq)
+                self.scheduler.register_full(seq)
+                continue
+            for index, blocks in enumerate(item.tables):
+                seq = RunningSequence(item.request, index, length=len(item.tokens), blocks=blocks)
+                seq.rope_delta = int(deltas[row])
+                new_seqs.append(seq)
+                source.append(row)
+                self.scheduler.register_full(seq)
+        self._running.extend(new_seqs)
+        if new_seqs:
+            self._accept(new_seqs, logits[torch.tensor(source, device=device)], finished)
+
+    def _table(self, tables: list[list[int]]) -> torch.Tensor:
+        """Block tables (B, W) on the engine's device, padded with the scratch block 0."""
+        width = max(len(table) for table in tables)
+        padded = [table + [0] * (width - len(table)) for table in tables]
+        return torch.tensor(padded, dtype=torch.long, device=self.model.device)
+
+    @staticmethod
+    def _partial_copies(items: list[PrefillItem]) -> tuple[list[int], list[int]]:
+        pairs = [pair for item in items for pair in item.partial_copies]
+        return [source for source, _ in pairs], [target for _, target in pairs]
+
+    @staticmethod
+    def _images(item: PrefillItem) -> dict | None:
+        return (item.request or item.resumed.request).images
+
+    def _image_inputs(self, items: list[PrefillItem], starts: list[int], width: int):
+        """Embeddings and M-RoPE tables of the items' new tokens: computed over each whole sequence
+        (image features and positions depend on all of it), then cut at its cached prefix."""
+        device = self.model.device
+        full = [item.tokens for item in items]
+        lengths = torch.tensor([len(tokens) for tokens in full], device=device)
+        tokens = torch.zeros(len(full), int(lengths.max()), dtype=torch.long)
+        for row, row_tokens in enumerate(full):
+            tokens[row, : len(row_tokens)] = torch.tensor(row_tokens)
+        embeds, (cos, sin), deltas = image_prefill_inputs(
+            self.model, tokens.to(device), lengths, [self._images(item) for item in items]
+        )
+        index = torch.tensor(starts, device=device)[:, None] + torch.arange(width, device=device)[None, :]
+        index = index.clamp(max=embeds.shape[1] - 1)  # (P, T): each row's new positions (padding clamped)
+
+        def take(t: torch.Tensor) -> torch.Tensor:  # t (P, T_full, ...) -> (P, T, ...) at ``index``
+            return t.gather(1, index.view(*index.shape, *[1] * (t.dim() - 2)).expand(-1, -1, *t.shape[2:]))
+
+        cos = cos.expand(len(full), *cos.shape[1:]) if cos.shape[0] == 1 else cos
+        sin = sin.expand(len(full), *sin.shape[1:]) if sin.shape[0] == 1 else sin
+        return {"embeds": take(embeds), "rope": (take(cos), take(sin))}, deltas.tolist()
 
     def _decode(self, finished: list[EngineRequest]) -> None:
         """Decode the running batch: the static step (:mod:`.decode_step`), one step or a burst, when
         every row shares its sampling settings and needs nothing per token beyond its token and
-        log-prob; else the eager step, counted by reason in ``eager_reasons``."""
+        log-prob; else the eager step, counted by reason in ``eager_reasons``. First every sequence
+        gets the blocks its next positions need (preempting the newest when the pool runs out)."""
         reason = self._eager_reason()
+        steps = self._burst_steps() if reason is None else 1
+        if self.scheduler.grow(self._running, steps):
+            self.stats["preemptions"] = self.scheduler.preemptions
+            if not self._running:
+                return
+            reason = self._eager_reason()
+            steps = min(steps, self._burst_steps()) if reason is None else 1
         if reason is None:
-            self._decode_static(self._burst_steps(), finished)
+            self._decode_static(steps, finished)
             return
         self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
         self.stats["eager_steps"] += 1
@@ -420,10 +472,17 @@ class LLMEngine:
         if any(s.rope_delta for s in running):  # image prompts' rows: rotary position = length + delta
             rope = lengths + torch.tensor([s.rope_delta for s in running], device=device)
         logits = self.model.decode(
-            tokens, lengths, self.cache, span=max(s.length for s in running) + 1, rope_positions=rope
+            tokens,
+            lengths,
+            self.cache,
+            self._table([s.blocks for s in running]),
+            span=max(s.length for s in running) + 1,
+            attention=self.decoder.attention,
+            rope_positions=rope,
         )
         for seq in running:
             seq.length += 1
+            self.scheduler.register_full(seq)
         self.stats["decode_steps"] += 1
         self._accept(running, logits, finished)
 
@@ -449,10 +508,10 @@ class LLMEngine:
         running = self._running
         if self.decode_steps_per_sync == 1:
             return 1
-        if self._waiting and self._waiting[0].n <= self.cache.num_slots - len(running):
+        if self.scheduler.can_join(len(running)):
             return 1  # a request can join now: admit it at the next step
         room = min(
-            min(s.request.max_new_tokens - len(s.token_ids), self.cache.max_len - s.length) for s in running
+            min(s.request.max_new_tokens - len(s.token_ids), self.max_model_len - s.length) for s in running
         )
         return max(1, min(self.decode_steps_per_sync, room))
 
@@ -465,6 +524,7 @@ class LLMEngine:
         rows = StepRows(
             tokens=[s.pending for s in running],
             lengths=[s.length for s in running],
+            tables=[s.blocks for s in running],
             seeds=stream_keys(running) if any(seeded) else None,
             seeded=seeded,
             rope_offsets=[s.rope_delta for s in running] if any(s.rope_delta for s in running) else None,
@@ -479,6 +539,7 @@ class LLMEngine:
                 break
             for _, seq in alive:
                 seq.length += 1
+                self.scheduler.register_full(seq)
             self.stats["generated_tokens"] += len(alive)
             self._take(
                 [seq for _, seq in alive],
@@ -488,156 +549,39 @@ class LLMEngine:
                 finished,
             )
 
-    def _accept(
-        self, seqs: list[RunningSequence], logits: torch.Tensor, finished: list[EngineRequest]
-    ) -> None:
-        """Choose the next token of each sequence from its logits row (B, V) and retire finished ones."""
-        tokens, log_probs = self._choose(seqs, logits, finished)
-        self.stats["generated_tokens"] += len(seqs)
-        self.stats["host_reads"] += 1
-        self._take(seqs, tokens.tolist(), log_probs.tolist(), top_alternatives(seqs, logits), finished)
-
-    def _take(
-        self,
-        seqs: list[RunningSequence],
-        tokens: list[int],
-        log_probs: list[float],
-        tops: dict[int, list[tuple[int, float]]],
-        finished: list[EngineRequest],
-    ) -> None:
-        """Append each sequence's chosen token (and log-prob) and retire those that stop or reach their
-        length."""
-        for row, (seq, token, log_prob) in enumerate(zip(seqs, tokens, log_probs, strict=True)):
-            if seq.pending == -2:  # failed in this step (its logits processor raised)
-                continue
-            seq.token_ids.append(token)
-            seq.log_probs.append(log_prob)
-            if row in tops:
-                seq.top_log_probs.append(tops[row])
-            seq.pending = token
-            request = seq.request
-            if request.listener is not None:
-                self._to_loop(request.listener.put_nowait, (seq.index, token, log_prob, tops.get(row)))
-            if token in request.stop_ids:
-                reason = "stop"
-            elif len(seq.token_ids) >= request.max_new_tokens:
-                reason = "length"
-            elif request.params.stop_checker is not None and self._stops(seq, finished):
-                if seq.pending == -2:
-                    continue  # the checker raised: the request failed
-                reason = "stop"
-            else:
-                continue
-            request.completions[seq.index] = finished_completion(seq, reason)
-            seq.pending = -2  # retired: removed from the batch by _compact
-            if request.done:
-                finished.append(request)
-
-    def _stops(self, seq: RunningSequence, finished: list[EngineRequest]) -> bool:
-        """Whether the request's stop checker (stop strings) ends ``seq`` at its latest token; a checker
-        that raises fails the request."""
-        try:
-            return bool(seq.request.params.stop_checker(seq.token_ids))
-        except Exception as error:
-            self._fail(seq.request, error, finished)
-            return True
-
-    def _choose(
-        self, seqs: list[RunningSequence], logits: torch.Tensor, finished: list[EngineRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        processed = [(row, seq) for row, seq in enumerate(seqs) if seq.request.params.logits_processor]
-        if processed:
-            logits = logits.clone()
-            for row, seq in processed:
-                try:
-                    logits[row] = seq.request.params.logits_processor(seq.token_ids, logits[row])
-                except Exception as error:  # this request fails; the row's token is not taken
-                    self._fail(seq.request, error, finished)
-        groups: dict[tuple, list[int]] = {}
-        for row, seq in enumerate(seqs):
-            groups.setdefault(seq.request.params.choice_key(), []).append(row)
-        if len(groups) == 1:
-            params = seqs[0].request.params
-            return choose_tokens(logits, params, self.generator, self._uniforms(seqs, params))
-        tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
-        log_probs = torch.empty(len(seqs), dtype=torch.float32, device=logits.device)
-        for rows in groups.values():
-            index = torch.tensor(rows, device=logits.device)
-            params = seqs[rows[0]].request.params
-            uniforms = self._uniforms([seqs[row] for row in rows], params)
-            tokens[index], log_probs[index] = choose_tokens(logits[index], params, self.generator, uniforms)
-        return tokens, log_probs
-
-    def _uniforms(self, seqs: list[RunningSequence], params: SamplingParams) -> torch.Tensor | None:
-        """Each row's draw when any row samples from a seeded stream (see :mod:`.sampling`): seeded rows
-        from (seed, sample index, position), the others from the engine's generator. None when no row
-        is seeded (or the rows are greedy): :func:`choose_tokens` draws from the generator itself."""
-        seeded = [seq.request.params.seed is not None for seq in seqs]
-        if params.greedy or not any(seeded):
-            return None
-        uniforms = (
-            1.0 - torch.rand(len(seqs), generator=self.generator, device=self.generator.device).double()
-        )
-        rows = torch.tensor([row for row, is_seeded in enumerate(seeded) if is_seeded])
-        seeds, samples, positions = torch.tensor(stream_keys(seqs), dtype=torch.long)[rows].T
-        uniforms[rows] = seeded_uniforms(seeds, samples, positions).to(uniforms.device)
-        return uniforms
-
     def _compact(self) -> None:
-        """Drop retired sequences and move tail survivors into their slots, keeping rows 0..B-1 packed."""
-        alive = [s for s in self._running if s.pending != -2]
-        if len(alive) == len(self._running):
-            return
-        keep = len(alive)
-        holes = [s.slot for s in self._running[:keep] if s.pending == -2]
-        movers = [s for s in self._running[keep:] if s.pending != -2]
-        if movers:
-            self.cache.move_rows([m.slot for m in movers], holes, max(m.length for m in movers))
-            for mover, hole in zip(movers, holes, strict=True):
-                mover.slot = hole
-        self._running = sorted(alive, key=lambda s: s.slot)
+        """Drop retired sequences from the batch; their blocks go back to the pool."""
+        alive = []
+        for seq in self._running:
+            if seq.pending == -2:
+                self.scheduler.release(seq)
+            else:
+                alive.append(seq)
+        self._running = alive
 
-    async def _run_loop(self) -> None:
-        """Step while anything is pending, yielding to the event loop between steps (with
-        ``step_in_thread``, awaiting each step run in the engine's thread)."""
-        try:
-            while self.has_unfinished():
-                if self.step_in_thread:
-                    if self._executor is None:
-                        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
-                    self._stepping_in_thread = True
-                    try:
-                        await asyncio.get_running_loop().run_in_executor(self._executor, self._thread_step)
-                    finally:
-                        self._stepping_in_thread = False
-                else:
-                    self.step()
-                await asyncio.sleep(0)
-        except Exception as error:  # a failure no single request explains: every waiter learns it
-            with self._lock:
-                pending = [r for r in self._waiting] + [s.request for s in self._running]
-                self._waiting, self._running = [], []
-            for request in {id(r): r for r in pending}.values():
-                if request.future is not None and not request.future.done():
-                    request.future.set_exception(error)
-                if request.listener is not None:
-                    request.listener.put_nowait(error)
-            raise
+    def _drop_everything(self) -> list[EngineRequest]:
+        """Every request still queued or running, removed (a failure no single request explains)."""
+        with self._lock:
+            pending = list(self.scheduler.waiting)
+            self.scheduler.waiting.clear()
+        pending += [seq.request for seq in [*self.scheduler.preempted, *self._running]]
+        for seq in self._running:
+            self.scheduler.release(seq)
+        self.scheduler.preempted.clear()
+        self._running = []
+        return list({id(r): r for r in pending}.values())
 
-    def _thread_step(self) -> None:
-        self._step_thread = threading.current_thread()
-        self.step()
 
-    def _to_loop(self, callback, *args) -> None:
-        """Run ``callback(*args)`` on the event loop: now, or from the step thread via the loop."""
-        if self._stepping_in_thread and self._event_loop is not None:
-            self._event_loop.call_soon_threadsafe(callback, *args)
-        else:
-            callback(*args)
-
-    def _deliver(self, request: EngineRequest, result: GenerationResult) -> None:
-        """Hand a finished request's result to whoever awaits it (``generate`` / ``stream``)."""
-        if request.future is not None:
-            self._to_loop(settle, request.future, result)
-        if request.listener is not None:
-            self._to_loop(request.listener.put_nowait, result)
+def image_digest(images: dict | None) -> bytes:
+    """A digest of a prompt's images (pixel values and grid): the prefix keys of an image prompt cover
+    the images' contents, not just their placeholder tokens. ``b""`` for a text prompt."""
+    if not images:
+        return b""
+    digest = hashlib.blake2b(digest_size=16)
+    for name in ("pixel_values", "image_grid_thw"):
+        tensor = images.get(name)
+        if tensor is not None:
+            tensor = tensor.detach().contiguous().cpu()
+            digest.update(str((name, tuple(tensor.shape), tensor.dtype)).encode())
+            digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    return digest.digest()

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridflow.workers.lora import hf_parameter_names, merged_hf_weights, unwrap_peft
-from hybridflow.workers.rollout.engine.attention import flex_attention_valid, span_attention, span_mask
+from hybridflow.workers.rollout.engine.attention import decode_attention, prefill_attention, span_hidden
 from hybridflow.workers.rollout.engine.parallel import (
     SINGLE,
     GenerationShard,
@@ -242,6 +242,9 @@ class EngineModel:
         self._packed: dict[int, torch.Tensor] | None = None
         self._pack_lock = threading.Lock()
         # a vision-language model: its vision tower (HF module), M-RoPE axes, placeholders never sampled
+        # bumped by every weight change (load_weight, a re-allocation): the engines flush their prefix
+        # caches when it moves, so keys and values computed with old weights are never reused
+        self.weights_version = 0
         self.vision: VisionTower | None = None
         self.mrope_axes: torch.Tensor | None = None
         self.suppressed: torch.Tensor | None = None  # (k,) token ids
@@ -276,6 +279,7 @@ class EngineModel:
         if self.vision is not None:
             self.vision.allocate()
         self._targets = self._build_targets()
+        self.weights_version += 1
 
     def release(self) -> None:
         """Drop every weight tensor (between rollouts: no second copy of the model while training)."""
@@ -361,6 +365,7 @@ class EngineModel:
             )
         region.copy_(tensor)
         self._packed = None  # the packed copies are stale now
+        self.weights_version += 1
 
     def _pack(self) -> dict[int, torch.Tensor]:
         """oneDNN-packed copies of the linear weights (built once after every weight change)."""
@@ -408,38 +413,36 @@ class EngineModel:
         tokens: torch.Tensor,
         lengths: torch.Tensor,
         cache,
+        table: torch.Tensor,
         span: int | None = None,
-        attention: str = "span",
+        attention: str = "gather",
         rope_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One new token per row. tokens, lengths (B,): the token at position ``lengths[b]`` of row b
-        (rows are the first B cache slots). Writes its K/V and returns fp32 logits (B, V).
-        ``rope_positions`` (B,): the rotary position of each token when it is not ``lengths`` (an
-        image prompt's row: ``lengths + rope_delta``, :mod:`.vision`).
-        ``attention`` (:mod:`.attention`): ``"span"`` reads the first ``span`` positions of each row
-        (``span``: at least ``max(lengths) + 1``; None reads it from ``lengths``, which waits for the
-        device); ``"flex"`` reads each row's valid keys of the whole cache (``span`` unused)."""
+        """One new token per row. tokens, lengths (B,): the token at position ``lengths[b]`` of row b,
+        whose blocks are ``table[b]`` (B, W) of the paged ``cache`` (:mod:`.kv_cache`). Writes its K/V
+        and returns fp32 logits (B, V). ``rope_positions`` (B,): the rotary position of each token when
+        it is not ``lengths`` (an image prompt's row: ``lengths + rope_delta``, :mod:`.vision`).
+        ``attention`` (:mod:`.attention`): ``"kernel"`` reads each row's valid keys in place (CPU);
+        ``"gather"`` reads the first ``span`` positions of each row's table (``span``: at least
+        ``max(lengths) + 1``; None reads it from ``lengths``, which waits for the device)."""
         spec = self.spec
         batch = tokens.shape[0]
-        if attention == "flex":
-            span = cache.max_len
-        elif span is None:
-            span = int(lengths.max()) + 1
-        if attention == "flex":
-            attend = flex_attention_valid
-        else:  # the rows' masks once for every layer
-            hidden = span_mask(lengths, span)
-            attend = lambda q, k, v, lengths: span_attention(q, k, v, lengths, hidden)  # noqa: E731
-        write_at = cache.flat_positions(lengths)  # (B * nkv,) rows of the flattened cache
+        hidden = None
+        if attention == "gather":
+            if span is None:
+                span = int(lengths.max()) + 1
+            span = -(-span // cache.block_size) * cache.block_size
+            hidden = span_hidden(lengths, span)  # the rows' masks once for every layer
+        slots = cache.slots(table, lengths)  # (B,) where each row's new K/V go
         at = lengths if rope_positions is None else rope_positions
         cos = self.rope_cos[at][:, None, None, :]  # (B, 1, 1, hd): one query, every head
         sin = self.rope_sin_signed[at][:, None, None, :]
         x = self._embed(tokens)  # (B, H)
-        for layer, (k_cache, v_cache) in zip(self.layers, cache.layers, strict=True):
+        for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, rms_norm(x, layer.input_norm, spec.rms_norm_eps), cos, sin)
-            k_cache.view(-1, spec.head_dim).index_copy_(0, write_at, k.reshape(-1, spec.head_dim))
-            v_cache.view(-1, spec.head_dim).index_copy_(0, write_at, v.reshape(-1, spec.head_dim))
-            attn = attend(q, k_cache[:batch, :, :span], v_cache[:batch, :, :span], lengths)
+            cache.write(index, slots, k[:, :, 0], v[:, :, 0])
+            keys, values = cache.layers[index]
+            attn = decode_attention(q, keys, values, table, lengths, attention, span, hidden)
             x = self._finish_layer(layer, x, attn.reshape(batch, spec.q_size))
         return self._logits(rms_norm(x, self.final_norm, spec.rms_norm_eps))
 
@@ -448,28 +451,42 @@ class EngineModel:
         tokens: torch.Tensor,
         lengths: torch.Tensor,
         cache,
-        slots: torch.Tensor,
-        source: torch.Tensor,
+        table: torch.Tensor,
+        starts: list[int],
         embeds: torch.Tensor | None = None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Prompts from position 0. tokens (P, T) right-padded, lengths (P,); the K/V of prompt
-        ``source[i]`` are written to cache slot ``slots[i]`` (S,), so n samples share one prefill.
-        Returns fp32 logits (P, V) at each prompt's last token. Right padding never leaks into a real
-        token under the causal mask, so no padding mask is needed. Image prompts
-        (:func:`.vision.image_prefill_inputs`): ``embeds`` (P, T, H) instead of the tokens' embeddings,
-        ``rope`` cos and signed sin (P, T, 1, hd) instead of positions ``0..T-1``."""
+        """New tokens of P sequences, each after its cached prefix. tokens (P, T) right-padded, lengths
+        (P,) new tokens per row, starts (P,) host ints: positions already in the cache (row p's tokens
+        go to positions ``starts[p]..``, whole blocks cached, :mod:`.block_pool`); table (P, W) each
+        row's blocks. Writes the new K/V and returns fp32 logits (P, V) at each row's last token. Right
+        padding never leaks into a real token under the causal mask. Image prompts
+        (:func:`.vision.image_prefill_inputs`): ``embeds`` (P, T, H) instead of the tokens'
+        embeddings, ``rope`` cos and signed sin (P, T, 1, hd) at the new tokens' positions."""
         spec = self.spec
-        n_prompts, width = tokens.shape
-        cos, sin = self.rope_at(width) if rope is None else rope  # (1 | P, T, 1, hd)
+        n_rows, width = tokens.shape
+        device = tokens.device
+        offsets = torch.arange(width, device=device)
+        starts_t = torch.tensor(starts, device=device)
+        positions = starts_t[:, None] + offsets[None, :]  # (P, T)
+        if rope is not None:
+            cos, sin = rope
+        elif max(starts) == 0:
+            cos, sin = self.rope_at(width)  # (1, T, 1, hd)
+        else:
+            cos = self.rope_cos[positions][:, :, None, :]  # (P, T, 1, hd)
+            sin = self.rope_sin_signed[positions][:, :, None, :]
+        valid = offsets[None, :] < lengths[:, None]  # (P, T): real new tokens
+        blocks = table.gather(1, (positions // cache.block_size).clamp(max=table.shape[1] - 1))
+        slots = (blocks * cache.block_size + positions % cache.block_size)[valid]  # (N,)
         x = self._embed(tokens) if embeds is None else embeds  # (P, T, H)
-        for layer, (k_cache, v_cache) in zip(self.layers, cache.layers, strict=True):
+        for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, rms_norm(x, layer.input_norm, spec.rms_norm_eps), cos, sin)
-            k_cache[slots, :, :width] = k[source]
-            v_cache[slots, :, :width] = v[source]
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (P, nh, T, hd)
-            x = self._finish_layer(layer, x, attn.transpose(1, 2).reshape(n_prompts, width, spec.q_size))
-        last = x[torch.arange(n_prompts, device=x.device), lengths - 1]  # (P, H)
+            cache.write(index, slots, k.transpose(1, 2)[valid], v.transpose(1, 2)[valid])
+            keys, values = cache.layers[index]
+            attn = prefill_attention(q, k, v, keys, values, table, starts_t, max(starts))  # (P, nh, T, hd)
+            x = self._finish_layer(layer, x, attn.transpose(1, 2).reshape(n_rows, width, spec.q_size))
+        last = x[torch.arange(n_rows, device=device), lengths - 1]  # (P, H)
         return self._logits(rms_norm(last, self.final_norm, spec.rms_norm_eps))
 
     def rope_at(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:

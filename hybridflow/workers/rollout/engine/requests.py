@@ -1,7 +1,8 @@
 """What the engine keeps per request and per running sample, and what it hands back.
 
 A request (:class:`EngineRequest`) asks for ``n`` samples of one prompt; each runs as a
-:class:`RunningSequence` in its own KV-cache slot until it stops, and becomes a :class:`Completion`.
+:class:`RunningSequence` over its own block table of the paged KV cache (the prompt's full blocks
+shared by the samples) until it stops, and becomes a :class:`Completion`.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class EngineRequest:
     error: BaseException | None = None
     # a vision-language prompt's images: pixel_values (patches, D), image_grid_thw (n, 3) (.vision)
     images: dict | None = None
+    image_digest: bytes = b""  # the images' contents, in every prefix key of the prompt (.block_pool)
 
     @property
     def done(self) -> bool:
@@ -66,17 +68,28 @@ class EngineRequest:
 
 @dataclass
 class RunningSequence:
-    """One running sample. ``length`` tokens are in its cache slot; ``pending`` is the next to feed."""
+    """One running sample. ``length`` positions are in its blocks (``blocks``: its block table);
+    ``pending`` is the next token to feed. ``keys``: the prefix keys of its first ``len(keys)`` full
+    blocks (:mod:`.block_pool`); ``cacheable``: its blocks may be keyed (False once the weights changed
+    under it: its keys and values mix two versions)."""
 
     request: EngineRequest
     index: int
-    slot: int
     length: int
     pending: int = -1
+    blocks: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+    cacheable: bool = True
     rope_delta: int = 0  # rotary position - cache position of its next tokens (image prompts: <= 0)
     token_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     top_log_probs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+
+def cached_tokens(seq: RunningSequence) -> list[int]:
+    """The tokens whose keys and values ``seq`` holds or recomputes: its prompt and every generated
+    token but the pending one (``length`` of them while it runs)."""
+    return seq.request.prompt_ids + seq.token_ids[:-1] if seq.token_ids else list(seq.request.prompt_ids)
 
 
 def finished_completion(seq: RunningSequence, reason: str) -> Completion:

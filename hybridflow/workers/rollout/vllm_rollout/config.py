@@ -146,6 +146,8 @@ def engine_args(
         "logprobs_mode": "processed_logprobs",
         "tensor_parallel_size": 1,
     }
+    if config.get("block_size"):
+        args["block_size"] = int(config.block_size)
     extra = (config.get("engine_kwargs") or {}).get("vllm") or {}
     args.update({str(key): value for key, value in dict(extra).items()})
     return args

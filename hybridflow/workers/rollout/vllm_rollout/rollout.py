@@ -187,7 +187,11 @@ class VLLMRollout(BaseRollout):
 
     def _generate_conversations(self, prompts: DataProto, params, eos_ids, pad_id) -> DataProto:
         """Multi-turn: every row is its own conversation with tool calls, driving vLLM by token ids."""
-        from hybridflow.workers.rollout.multi_turn import assemble_conversations, build_agent_loop
+        from hybridflow.workers.rollout.multi_turn import (
+            assemble_conversations,
+            build_agent_loop,
+            interaction_columns,
+        )
 
         if self._agent_loop is None:
             self._agent_loop = build_agent_loop(self.engine, self.tokenizer, self.config, eos_ids)
@@ -195,7 +199,10 @@ class VLLMRollout(BaseRollout):
         tools_kwargs = prompts.non_tensor_batch.get("tools_kwargs")
         kwargs = [tools_kwargs[i] if tools_kwargs is not None else None for i in range(len(rows))]
         per_row = row_params(request_groups(prompts, params, self.config.get("seed", 0)))
-        convs = asyncio.run(self._agent_loop.run_batch(rows, per_row, kwargs))
+        interaction_kwargs, messages = interaction_columns(prompts)
+        convs = asyncio.run(
+            self._agent_loop.run_batch(rows, per_row, kwargs, None, interaction_kwargs, messages)
+        )
         return assemble_conversations(
             prompts,
             convs,
