@@ -344,3 +344,33 @@ def test_a_lora_actor_reaches_the_engine_merged_on_the_language_model_only(vlm):
         **_hf_inputs(model, ids, images, len(ids)),
     )[0, len(ids) :].tolist()
     assert greedy(EngineModel.from_hf_module(lora, 64)) == hf != greedy(EngineModel.from_hf_module(model, 64))
+
+
+def test_the_prefix_cache_keys_image_prompts_by_their_images_not_their_placeholders(vlm):
+    """The same prompt ids with other images find nothing cached (every block's key covers the images'
+    contents); with the same images they find their blocks, and every answer is what an engine with
+    no prefix cache gives (M-RoPE positions past a cached prefix included)."""
+    model, tokenizer, dataset = vlm
+    prompts = _image_prompts(model, tokenizer, dataset)
+    ids, first = prompts[0]
+    second = prompts[1][1]
+    assert first["pixel_values"].shape == second["pixel_values"].shape  # same placeholders, other pixels
+    params = SamplingParams(max_new_tokens=8, do_sample=False)
+    cached = LLMEngine(EngineModel.from_hf_module(model, 128), 4, 128, [], block_size=4)
+    plain = LLMEngine(
+        EngineModel.from_hf_module(model, 128), 4, 128, [], block_size=4, enable_prefix_caching=False
+    )
+    def answer(engine, images) -> list[int]:
+        request = engine.add_request(ids, params, images=images)
+        while not request.done:
+            engine.step()
+        return request.completions[0].token_ids
+
+    answers, hits = [], []
+    for images in (first, second, first):
+        before = cached.pool.stats["prefix_hits"]
+        answers.append(answer(cached, images))
+        hits.append(cached.pool.stats["prefix_hits"] - before)
+        assert answers[-1] == answer(plain, images)
+    assert hits[0] == 0 and hits[1] == 0 and hits[2] == 4 * ((len(ids) - 1) // 4)
+    assert answers[0] == answers[2] != answers[1]
