@@ -82,7 +82,11 @@ def moe_model_dir(tmp_path):
 def test_mixture_of_experts_refuses_tensor_parallelism_and_takes_ulysses(base_overrides, moe_model_dir):
     """An MoE model has no tensor- or expert-parallel plan: one line naming the key and the model type,
     before Ray starts. Ulysses splits its attention only (routing is per token), so SP = 2 passes."""
-    moe = [*base_overrides, f"actor_rollout_ref.model.path={moe_model_dir}"]
+    moe = [
+        *base_overrides,
+        f"actor_rollout_ref.model.path={moe_model_dir}",
+        "actor_rollout_ref.rollout.name=hf",
+    ]
     with pytest.raises(ConfigError) as info:
         validate_config(load_config([*moe, f"{ACTOR}.tensor_model_parallel_size=2"]))
     assert (
@@ -91,3 +95,20 @@ def test_mixture_of_experts_refuses_tensor_parallelism_and_takes_ulysses(base_ov
         "not built either); set 1"
     ) in str(info.value)
     validate_config(load_config([*moe, f"{ACTOR}.ulysses_sequence_parallel_size=2"]))
+
+
+def test_the_engine_refuses_a_model_it_does_not_serve_before_ray_starts(base_overrides, moe_model_dir):
+    """rollout.name=engine on an MoE model: one line naming the model type and the support table, from
+    the config check (the workers would only find out after Ray started)."""
+    with pytest.raises(ConfigError) as info:
+        validate_config(
+            load_config(
+                [
+                    *base_overrides,
+                    f"actor_rollout_ref.model.path={moe_model_dir}",
+                    "actor_rollout_ref.rollout.name=engine",
+                ]
+            )
+        )
+    assert "actor_rollout_ref.rollout.name=engine: the embedded engine serves" in str(info.value)
+    assert "not model_type='qwen3_moe' (docs/model_support.md" in str(info.value)

@@ -239,9 +239,29 @@ def _check_unsupported(config: DictConfig) -> list[str]:
         path = rollout.multi_turn.get("tool_config_path")
         if path and not os.path.isfile(os.path.expanduser(str(path))):
             problems.append(f"rollout.multi_turn.tool_config_path: {path!r} is not a file")
-    problems += _interaction_problems(rollout)
+    problems += _interaction_problems(rollout) + _engine_model_problems(config)
     problems += _check_lora(config.actor_rollout_ref.model)
     return problems + _agent_loop_problems(config) + _rollout_correction_problems(config)
+
+
+def _engine_model_problems(config: DictConfig) -> list[str]:
+    """``rollout.name=engine`` on a model the engine does not serve (an MoE, Gemma, a sliding window),
+    refused now rather than when the workers build it: read from the model directory's config.json."""
+    import json
+
+    if config.actor_rollout_ref.rollout.name != "engine":
+        return []
+    file = os.path.join(os.path.expanduser(str(config.actor_rollout_ref.model.path)), "config.json")
+    if not os.path.isfile(file):
+        return []
+    with open(file) as handle:
+        raw = json.load(handle)
+    if "vision_config" in raw:  # a vision-language model: the engine holds its Qwen2 language model
+        return []
+    from hybridflow.workers.rollout.engine.model import engine_refusal
+
+    refusal = engine_refusal(raw)
+    return [f"actor_rollout_ref.rollout.name=engine: {refusal}"] if refusal else []
 
 
 def _interaction_problems(rollout: DictConfig) -> list[str]:

@@ -89,15 +89,9 @@ class ModelSpec:
         model_type = getattr(config, "model_type", None)
         if mrope is not None:
             model_type = "qwen2"  # Qwen2.5-VL's language model is Qwen2's decoder (q/k/v biases)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise NotImplementedError(
-                f"the embedded engine serves {SUPPORTED_MODEL_TYPES}, not model_type={model_type!r}; "
-                "use actor_rollout_ref.rollout.name=hf for other architectures"
-            )
-        if getattr(config, "use_sliding_window", False) or (
-            model_type == "mistral" and getattr(config, "sliding_window", None)
-        ):
-            raise NotImplementedError("sliding-window attention is not supported by the embedded engine")
+        refusal = engine_refusal(dict(config.to_dict(), model_type=model_type))
+        if refusal:
+            raise NotImplementedError(refusal)
         heads = int(config.num_attention_heads)
         return cls(
             num_layers=int(config.num_hidden_layers),
@@ -550,6 +544,18 @@ class EngineModel:
         if self.suppressed is not None:
             logits.index_fill_(-1, self.suppressed, SUPPRESSED_LOGIT)
         return logits
+
+
+def engine_refusal(config: dict) -> str | None:
+    """Why the engine cannot serve a decoder of HF ``config`` (a ``config.json`` dict; a vision-language
+    model's text part), or None. Read before Ray starts (the config check) and by :class:`ModelSpec`."""
+    model_type = config.get("model_type")
+    where = "docs/model_support.md lists each family's backends; use actor_rollout_ref.rollout.name=hf"
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"the embedded engine serves {SUPPORTED_MODEL_TYPES}, not model_type={model_type!r} ({where})"
+    if config.get("use_sliding_window") or (model_type == "mistral" and config.get("sliding_window")):
+        return f"the embedded engine has no sliding-window attention ({model_type}; {where})"
+    return None
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
