@@ -90,6 +90,10 @@ MODULE_TABLE: dict[str, str | tuple[str, ...]] = {
     "verl.utils.tensordict_utils": "hybridflow.utils.tensordict_utils",
     "verl.utils.torch_functional": "hybridflow.utils.torch_functional",
     "verl.utils.tracking": "hybridflow.utils.tracking",
+    # verl's checkpoint engine (issue 50): our package under workers/
+    "verl.checkpoint_engine": "hybridflow.workers.checkpoint_engine",
+    "verl.checkpoint_engine.base": "hybridflow.workers.checkpoint_engine.base",
+    "verl.checkpoint_engine.nccl_checkpoint_engine": "hybridflow.workers.checkpoint_engine.collective",
     # workers
     "verl.workers": "hybridflow.workers",
     "verl.workers.reward_manager": "hybridflow.workers.reward_manager",

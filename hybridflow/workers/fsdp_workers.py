@@ -25,6 +25,7 @@ from hybridflow.single_controller import Dispatch, Worker, make_nd_compute_datap
 from hybridflow.utils.dataset.multimodal import load_processor
 from hybridflow.utils.profiler import WorkerProfiler, annotate
 from hybridflow.workers.actor.dp_actor import DataParallelPPOActor
+from hybridflow.workers.checkpoint_engine.manager import CheckpointEngineWorker
 from hybridflow.workers.critic.dp_critic import DataParallelPPOCritic
 from hybridflow.workers.fsdp_utils import build_device_mesh
 from hybridflow.workers.lora import adapter_disabled, lora_enabled
@@ -196,7 +197,7 @@ class FSDPWorkerBase(Worker):
         self._rollout_weights_stale = getattr(self, "_is_rollout", False)
 
 
-class ActorRolloutRefWorker(FSDPWorkerBase):
+class ActorRolloutRefWorker(CheckpointEngineWorker, FSDPWorkerBase):
     """One process of the hybrid engine. ``role`` picks what it holds: the trainable actor, the
     rollout that generates with the actor's own weights, and/or the frozen reference policy."""
 
@@ -355,24 +356,16 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         return output
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def actor_weights(self) -> dict | None:
-        """The actor's full weights under their HF names (a LoRA adapter merged in) as numpy arrays, on
-        rank 0 (None elsewhere): what a standalone rollout replica loads. A collective: every rank
-        gathers the same FSDP units, one at a time."""
-        import torch
+    def send_weights_by_checkpoint_engine(self) -> tuple:
+        """The actor's full weights under their HF names (a LoRA adapter merged in), one FSDP unit at a
+        time, through this rank's checkpoint engine (:mod:`hybridflow.workers.checkpoint_engine`) to the
+        standalone rollout replicas. A collective: every rank gathers the same units in the same order.
+        Returns ``(the engine's result, stats)``: time, bytes sent, resident set before and peak."""
+        from hybridflow.workers.checkpoint_engine import measured_sync, trainer_weight_stream
 
-        from hybridflow.workers.lora import merged_hf_weights
-        from hybridflow.workers.rollout.engine.weight_sync import iter_parameter_buckets
-
-        found = {}
-        with torch.no_grad():
-            for bucket, _ in iter_parameter_buckets(self.actor_module):
-                for name, tensor in merged_hf_weights(self.actor_module, bucket):
-                    if self.rank == 0:
-                        found[name] = (
-                            tensor.detach().to("cpu", torch.float32, copy=True).numpy()
-                        )  # a copy: numpy pins storage
-        return found if self.rank == 0 else None
+        engine = self.checkpoint_engine
+        payload, stats = measured_sync(lambda: engine.send_weights(trainer_weight_stream(self.actor_module)))
+        return payload, {**engine.stats, **stats}
 
     # ------------------------------------------------------------------ server mode (rollout.mode=async)
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -3,25 +3,23 @@ rollouter), not sharing a process with the actor.
 
 It holds a plain (unsharded) copy of the model and the rollout engine built over it (hybridflow's or
 vLLM, ``rollout.name``), serves requests with the same serve loop as the hybrid worker
-(:func:`~hybridflow.workers.rollout.replica.serve_requests`), and takes new weights as a
-``{HF name: array}`` mapping with a parameter version (:meth:`load_weights`): the mapping comes from
-the trainer's actor (:meth:`~hybridflow.workers.fsdp_workers.ActorRolloutRefWorker.actor_weights`)
-through Ray's object store, once per sync, fetched by every rollout rank.
+(:func:`~hybridflow.workers.rollout.replica.serve_requests`), and takes new weights with a parameter
+version through its checkpoint engine (:meth:`receive_weights_by_checkpoint_engine`;
+:mod:`hybridflow.workers.checkpoint_engine`): the trainer's actor sends them
+(:meth:`~hybridflow.workers.fsdp_workers.ActorRolloutRefWorker.send_weights_by_checkpoint_engine`).
 """
 
 from __future__ import annotations
 
-import time
-import warnings
-
 import torch
 
 from hybridflow.single_controller import Dispatch, Worker, register
+from hybridflow.workers.checkpoint_engine.manager import CheckpointEngineWorker
 from hybridflow.workers.model_builder import load_hf_model, resolve_local_path
 from hybridflow.workers.rollout.base import get_rollout_cls
 
 
-class StandaloneRolloutWorker(Worker):
+class StandaloneRolloutWorker(CheckpointEngineWorker, Worker):
     """``config``: the ``actor_rollout_ref`` section (model + rollout)."""
 
     def __init__(self, config) -> None:
@@ -51,23 +49,18 @@ class StandaloneRolloutWorker(Worker):
         self.rollout = cls(self.module, cfg.rollout, **kwargs)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_weights(self, weights: dict, version: int) -> dict[str, float]:
-        """Copy ``weights`` (HF name -> array, the trainer's full actor weights) into the model and the
-        engine; this replica now generates with parameter ``version``. Returns timings."""
-        start = time.perf_counter()
-        params = dict(self.module.named_parameters())
-        missing = sorted(set(params) - set(weights))
-        unknown = sorted(set(weights) - set(params))
-        if missing or unknown:
-            raise ValueError(f"rollout weight sync: missing {missing[:10]}, unknown {unknown[:10]}")
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*not writable.*")  # read-only object-store arrays
-            for name, param in params.items():
-                param.copy_(torch.as_tensor(weights[name]))
-        copied = time.perf_counter() - start
+    def receive_weights_by_checkpoint_engine(self, version: int, payload=None) -> dict[str, float]:
+        """Take the trainer's weights from this rank's checkpoint engine into the model (each tensor
+        copied as it arrives), then into the engine; this replica now generates with parameter
+        ``version``. ``payload``: trainer rank 0's send result, for backends that read it
+        (``object_store``). Returns timings and the resident set before and at peak."""
+        from hybridflow.workers.checkpoint_engine import load_received, measured_sync
+
+        received = self.checkpoint_engine.receive_weights(payload)
+        loaded, stats = measured_sync(lambda: load_received(self.module, received))
         metrics = self.rollout.update_weights()
         self.weight_version = int(version)
-        return {"load_s": copied, "engine_sync_s": float(metrics.get("update_weights", 0.0))}
+        return {**loaded, **stats, "engine_sync_s": float(metrics.get("update_weights", 0.0))}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def rollout_wake_up(self, rows: int | None = None) -> dict:

@@ -156,6 +156,15 @@ REJECTED = [
         "rollout.name=sglang is not supported: SGLang's wheels need CUDA",
     ),
     ("trainer.logger=[console,swanlab]", "'swanlab' is not a tracker"),
+    # verl's checkpoint engine: main_ppo's hybrid engine hands the weights over in place (naive)
+    (
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
+        "backend=gloo: here trainer and rollout share a process (main_ppo); use one of naive",
+    ),
+    (
+        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=512",
+        "update_weights_bucket_megabytes=512 does nothing in main_ppo",
+    ),
     (
         "data.custom_cls.path=/no/such/dataset.py",
         "data.custom_cls.path: '/no/such/dataset.py' does not exist",

@@ -15,6 +15,7 @@ import functools
 
 from omegaconf import DictConfig, OmegaConf
 
+from hybridflow.trainer.config.checkpoint_engine import fully_async_checkpoint_engine_problems
 from hybridflow.trainer.config.honesty import limited_value_problems
 from hybridflow.trainer.config.profiler_honesty import fully_async_profiler_problems
 
@@ -58,6 +59,7 @@ def fully_async_honesty_problems(config: DictConfig) -> list[str]:
     problems += _algorithm_problems(config, schema)
     problems += _log_prob_problems(config, schema)
     problems += _trace_problems(config, schema) + fully_async_profiler_problems(config)
+    problems += fully_async_checkpoint_engine_problems(config)
     steps = (config.rollout.get("total_rollout_steps"), config.trainer.get("total_training_steps"))
     if all(steps):
         problems.append(

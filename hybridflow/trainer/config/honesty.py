@@ -409,7 +409,20 @@ def honesty_problems(config: DictConfig) -> list[str]:
     problems += tensor_parallel_problems(config) + vision_problems(config)
     problems += sequence_parallel_problems(config)
     problems += reward_loop_problems(config) + profiler_problems(config)
+    problems += _checkpoint_engine_problems(config)
     return problems + _reward_kwargs_problems(config) + distill_problems(config)
+
+
+def _checkpoint_engine_problems(config: DictConfig) -> list[str]:
+    """main_ppo's hybrid engine: the colocated (naive) checkpoint engine only."""
+    from pathlib import Path
+
+    from hybridflow.trainer.config.checkpoint_engine import SECTION, colocated_checkpoint_engine_problems
+
+    if OmegaConf.select(config, SECTION) is None:
+        return []
+    defaults = OmegaConf.load(Path(__file__).with_name("ppo_trainer.yaml"))  # the package's schema
+    return colocated_checkpoint_engine_problems(config, defaults)
 
 
 def _constructor_params(cls: type) -> set[str]:

@@ -81,6 +81,8 @@ def ppo_view(config: DictConfig) -> DictConfig:
     """The PPO part of a fully-async config, as ``validate_config`` and the workers read it: the trainer
     step's batch is ``groups_per_step`` prompts; the rollout runs agent loops (server mode); the actor
     workers hold no engine (``hybrid_engine`` is the rollouter's business)."""
+    from hybridflow.trainer.config import load_schema
+
     view = OmegaConf.create(OmegaConf.to_container(config, resolve=True))
     for section in ASYNC_SECTIONS:
         view.pop(section)
@@ -89,6 +91,10 @@ def ppo_view(config: DictConfig) -> DictConfig:
         view.data.train_batch_size = groups_per_step(config)
         view.actor_rollout_ref.rollout.mode = "async"
         view.actor_rollout_ref.hybrid_engine = True
+        # the weight transfer between the pools is the trainer's (_with_async puts its section back):
+        # the view keeps main_ppo's colocated defaults, which its checks expect
+        defaults = load_schema().actor_rollout_ref.rollout.checkpoint_engine
+        view.actor_rollout_ref.rollout.checkpoint_engine = defaults
         rollout_steps = config.rollout.get("total_rollout_steps")
         if rollout_steps and not config.trainer.get("total_training_steps"):
             view.trainer.total_training_steps = max(1, int(rollout_steps) // groups_per_step(config))
@@ -225,11 +231,14 @@ def _lazy_prompts(loader, start):
 
 
 def _with_async(view: DictConfig, config: DictConfig) -> DictConfig:
-    """The PPO view with the fully-async sections back (the trainer reads async_training)."""
+    """The PPO view with the fully-async sections back (the trainer reads async_training, and the
+    checkpoint engine's section for its weight sync)."""
     merged = OmegaConf.create(OmegaConf.to_container(view, resolve=True))
     with open_dict(merged):
         for section in ASYNC_SECTIONS:
             merged[section] = OmegaConf.to_container(config[section], resolve=True)
+        engine = config.actor_rollout_ref.rollout.checkpoint_engine
+        merged.actor_rollout_ref.rollout.checkpoint_engine = OmegaConf.to_container(engine, resolve=True)
     return merged
 
 

@@ -1,38 +1,42 @@
-"""Parameter sync between pools: the trainer's actor weights to the rollouter's replicas.
+"""Parameter sync between pools: the trainer's actor weights to the rollouter's replicas, through verl's
+checkpoint engine (:mod:`hybridflow.workers.checkpoint_engine`).
 
-The actor's ranks gather their FSDP units one at a time and rank 0 keeps the full weights as numpy
-arrays (:meth:`~hybridflow.workers.fsdp_workers.ActorRolloutRefWorker.actor_weights`); that result stays
-in Ray's object store and every rollout rank fetches it directly (the driver never holds a copy), then
-copies it into its model and engine (:meth:`~hybridflow.workers.rollout_worker.StandaloneRolloutWorker.
-load_weights`). numpy buffers travel through the object store without torch's slow pickling
-(PLATFORM_NOTES: 0.02-0.12 s per 100 MB against 0.8-2 s for tensors). On GPUs an NCCL broadcast would be
-the transport (verl's checkpoint engine); on the CPU the object store is what was measured here
-(docs/async_training.md).
+By default (``async_training.checkpoint_engine.enable=true``, ``backend`` null) the weights stream as
+buckets broadcast by a torch.distributed group built between the actor's ranks and the replicas' ranks
+(``gloo`` on the CPU, ``nccl`` on CUDA): every actor rank gathers one FSDP unit at a time, the bucket
+owner casts its tensors to the rollout's dtype into the bucket and broadcasts it, and each replica copies
+them into its model as they arrive; no rank holds the whole model (docs/async_training.md,
+docs/benchmarks.md). ``backend=object_store`` (or ``enable=false``) is the older path: trainer rank 0
+puts the whole model in Ray's object store and every replica fetches it.
 """
 
 from __future__ import annotations
 
-import time
+from omegaconf import DictConfig
 
 
-def sync_parameters(actor_group, rollout_group, version: int) -> dict[str, float]:
+def build_weight_sync(config: DictConfig, actor_group, rollout_group):
+    """The :class:`~hybridflow.workers.checkpoint_engine.CheckpointEngineManager` of a fully-async
+    ``config`` (its keys are read once, in :func:`~hybridflow.trainer.config.checkpoint_engine.
+    fully_async_checkpoint_engine`), the engines built on both pools."""
+    from hybridflow.trainer.config.checkpoint_engine import fully_async_checkpoint_engine
+    from hybridflow.trainer.config.parallelism import device_type
+    from hybridflow.workers.checkpoint_engine import CheckpointEngineManager
+    from hybridflow.workers.rollout.engine_rollout import engine_dtype
+
+    settings = fully_async_checkpoint_engine(config)
+    dtype = engine_dtype(config.actor_rollout_ref.rollout.get("dtype"), device_type(config))
+    return CheckpointEngineManager(
+        settings.backend,
+        actor_group,
+        rollout_group,
+        settings.bucket_megabytes,
+        str(dtype),
+        settings.engine_kwargs,
+    )
+
+
+def sync_parameters(manager, version: int) -> dict[str, float]:
     """Move the actor's current weights to every rollout replica as parameter ``version``; returns
-    ``timing_s/param_sync`` and its parts."""
-    start = time.perf_counter()
-    import ray
-
-    exported = actor_group.actor_weights_async()
-    weights = exported.rank_refs[0]  # rank 0's full weights, left in the object store
-    ray.wait(list(exported.rank_refs.values()), num_returns=len(exported.rank_refs))
-    for rank, ref in exported.rank_refs.items():  # the other ranks return None: surface their errors
-        if rank != 0:
-            actor_group._get_one(ref, rank, "actor_weights")
-    export_s = time.perf_counter() - start
-    loaded = rollout_group.load_weights(weights, version)
-    total = time.perf_counter() - start
-    return {
-        "timing_s/param_sync": total,
-        "fully_async/param_sync/export_s": export_s,
-        "fully_async/param_sync/load_s": max(r["load_s"] for r in loaded),
-        "fully_async/param_sync/engine_sync_s": max(r["engine_sync_s"] for r in loaded),
-    }
+    ``timing_s/param_sync`` and ``fully_async/param_sync/*`` (its parts, bytes, extra memory per side)."""
+    return manager.update_weights(version)

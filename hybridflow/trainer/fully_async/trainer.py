@@ -24,7 +24,7 @@ import numpy as np
 from hybridflow import keys
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.fully_async.message_queue import GroupQueue, RolloutGroup
-from hybridflow.trainer.fully_async.param_sync import sync_parameters
+from hybridflow.trainer.fully_async.param_sync import build_weight_sync, sync_parameters
 from hybridflow.trainer.ppo.ray_trainer import RayPPOTrainer
 from hybridflow.workers.rollout.agent_loop.manager import concat_rows
 
@@ -86,6 +86,7 @@ class FullyAsyncTrainer(RayPPOTrainer):
         )
         self.sync_every = int(asynchronous.trigger_parameter_sync_step)
         self.rollouter_started = False
+        self.weight_sync = None  # the checkpoint engine's manager, built with the first sync
         self.wait_s = 0.0
         self.sync_probe_limit = self.log_prob_gap_limit  # the probe after each sync (None: off)
         self._sync_probe = None
@@ -138,7 +139,8 @@ class FullyAsyncTrainer(RayPPOTrainer):
         too) and the rollouter starts at the first group not yet trained."""
         if self.rollouter_started:
             return
-        sync_parameters(self.wg.actor_rollout, self.rollout_group, self.param_version)
+        self.weight_sync = build_weight_sync(self.config, self.wg.actor_rollout, self.rollout_group)
+        sync_parameters(self.weight_sync, self.param_version)
         self.rollouter.start(self.param_version, start_seq=self.queue.taken)
         self.rollouter_started = True
         self.probe_sync()
@@ -192,7 +194,7 @@ class FullyAsyncTrainer(RayPPOTrainer):
         rollouter_metrics = self.rollouter.metrics()
         self.rollouter.pause()
         self.param_version += 1
-        sync = sync_parameters(self.wg.actor_rollout, self.rollout_group, self.param_version)
+        sync = sync_parameters(self.weight_sync, self.param_version)
         self.rollouter.resume(self.param_version)
         window = time.perf_counter() - start
         probe = self.probe_sync()

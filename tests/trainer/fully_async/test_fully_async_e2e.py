@@ -164,19 +164,17 @@ def test_a_broken_weight_sync_stops_the_run_naming_the_replica(
     purpose (the replicas get the initial weights again, labelled as the new version) is caught by the
     probe after that sync: the run stops with an error naming the replica and the version (before, it
     trained on, sampling from the initial weights)."""
-    import ray
-
     import hybridflow.trainer.fully_async.trainer as trainer_module
     from hybridflow.utils.rollout_parity import RolloutLogProbGapError
 
-    real_sync, initial = trainer_module.sync_parameters, {}
+    real_sync = trainer_module.sync_parameters
 
-    def broken_sync(actor_group, rollout_group, version):
+    def broken_sync(manager, version):
         if version == 0:
-            initial["weights"] = actor_group.actor_weights_async().rank_refs[0]
-            ray.wait([initial["weights"]])
-            return real_sync(actor_group, rollout_group, version)
-        rollout_group.load_weights(initial["weights"], version)  # the old weights under the new version
+            manager.keep_last_sent = True  # the initial weights, kept in the object store
+            return real_sync(manager, version)
+        # the old weights under the new version
+        manager.rollout.receive_weights_by_checkpoint_engine(version, manager.last_sent)
         return {"timing_s/param_sync": 0.0}
 
     monkeypatch.setattr(trainer_module, "sync_parameters", broken_sync)
@@ -185,7 +183,11 @@ def test_a_broken_weight_sync_stops_the_run_naming_the_replica(
         arithmetic_data,
         tmp_path,
         "broken_sync",
-        **{"async_training.staleness_threshold": 1, "trainer.total_training_steps": 3},
+        **{
+            "async_training.staleness_threshold": 1,
+            "trainer.total_training_steps": 3,
+            "actor_rollout_ref.rollout.checkpoint_engine.backend": "object_store",
+        },
     )
     named = r"sync to version 1: replica 0 \(rank 0\) \(rollout.name=engine\) samples with other weights"
     with pytest.raises(RolloutLogProbGapError, match=named):

@@ -63,6 +63,7 @@ def check(vllm_model_dir, arithmetic_data):
 A = "algorithm."
 C = "algorithm.rollout_correction."
 R = "actor_rollout_ref.rollout."
+CE = "async_training.checkpoint_engine."
 REFUSED = [
     ({R + "trace.backend": "jsonl"}, r"rollout trace is not wired into fully_async_main"),
     ({R + "trace.token2text": True}, r"trace\.token2text=True: the rollout trace is not wired"),
@@ -110,6 +111,20 @@ REFUSED = [
     ({R + "enable_chunked_prefill": True}, r"enable_chunked_prefill=True is not supported"),
     ({R + "disable_log_stats": False}, r"disable_log_stats=False is not supported"),
     ({"+" + R + "engine_kwargs.sglang.x": 1}, r"engine_kwargs=.* is not supported"),
+    # verl's checkpoint engine (hybridflow/trainer/config/checkpoint_engine.py)
+    ({R + "checkpoint_engine.backend": "nccl"}, r"backend=nccl does not run on cpu; use one of gloo, object"),
+    ({R + "checkpoint_engine.backend": "naive"}, r"backend=naive: here trainer and rollout are separate"),
+    ({R + "checkpoint_engine.backend": "nixl"}, r"backend='nixl' is unknown; registered: gloo, naive, nccl"),
+    ({"+" + R + "checkpoint_engine.engine_kwargs.gloo.x": 1}, r"engine_kwargs\.gloo has \['x'\]; gloo takes"),
+    ({CE + "overlap_broadcast_and_consume": True}, r"overlap_broadcast_and_consume=true is not implemented"),
+    (
+        {CE + "enable": False, R + "checkpoint_engine.backend": "gloo"},
+        r"enable=false moves the weights through Ray's object store, but .*backend=gloo",
+    ),
+    (
+        {R + "checkpoint_engine.update_weights_bucket_megabytes": 8, CE + "device_buffer_size_M": 16},
+        r"update_weights_bucket_megabytes=8 and .*device_buffer_size_M=16 both size the bucket",
+    ),
     ({"rollout.total_rollout_steps": 100, "trainer.total_training_steps": 3}, r"are both set"),
     ({"rollout.nnodes": 0}, r"rollout\.nnodes and rollout\.n_gpus_per_node must be >= 1"),
     ({"async_training.staleness_threshold": -1}, r"staleness_threshold must be >= 0"),
@@ -279,6 +294,13 @@ def _run_shape(config, view) -> tuple:
     )
 
 
+def _weight_sync(config, view):
+    """What the trainer's checkpoint engine gets: backend, bucket, engine kwargs."""
+    from hybridflow.trainer.config.checkpoint_engine import fully_async_checkpoint_engine
+
+    return fully_async_checkpoint_engine(config)
+
+
 def _pool(config, view) -> list:
     import hybridflow.single_controller.ray as ray_module
     from hybridflow.trainer.fully_async.main import build_rollout_group
@@ -380,6 +402,12 @@ READ = {
     "async_training.trigger_parameter_sync_step": (2, {}, _run_shape),
     "async_training.require_batches": (2, {}, _run_shape),
     "async_training.use_rollout_log_probs": (False, {}, _run_shape),
+    R + "checkpoint_engine.backend": ("object_store", {}, _weight_sync),
+    R + "checkpoint_engine.update_weights_bucket_megabytes": (8, {}, _weight_sync),
+    # a dict: added with +
+    "+" + R + "checkpoint_engine.engine_kwargs": ({"gloo": {"timeout_s": 5}}, {}, _weight_sync),
+    CE + "enable": (False, {}, _weight_sync),
+    CE + "device_buffer_size_M": (8, {}, _weight_sync),
 }
 
 
@@ -396,7 +424,7 @@ def test_an_honoured_key_changes_what_its_reader_gets(check, key):
 
     def read(checked):
         config, view = checked
-        return reader(config, view) if reader in (_run_shape, _pool) else reader(view)
+        return reader(config, view) if reader in (_run_shape, _pool, _weight_sync) else reader(view)
 
     assert read(changed) != read(default), f"{key}={value} did not change what the run uses"
 
@@ -456,7 +484,8 @@ def test_every_key_is_classified():
     """Each leaf of the sections is refused (at a non-default value), read, or shown by a test."""
     config = load_config([], config_name="fully_async_ppo_trainer")
     refused = {key.lstrip("+").replace(".sglang.x", "") for settings, _ in REFUSED for key in settings}
-    classified = refused | set(READ) | set(SHOWN) | NOT_SETTINGS | {"data.gen_batch_size"}
+    read = {key.lstrip("+") for key in READ}
+    classified = refused | read | set(SHOWN) | NOT_SETTINGS | {"data.gen_batch_size"}
     leaves = [leaf for section in SECTIONS for leaf in _leaves(OmegaConf.select(config, section), section)]
     missing = sorted(set(leaves) - classified)
     assert not missing, f"keys neither refused nor shown to act in fully_async_main: {missing}"
