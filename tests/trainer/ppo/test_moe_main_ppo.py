@@ -1,7 +1,8 @@
 """A mixture-of-experts policy through ``main_ppo`` (issue 48 item 1, end to end): a tiny Qwen3-MoE (every
 layer sparse, 4 experts, top-2) takes 2 GRPO steps on Ray with 2-rank FSDP2 actor and reference, the actor
 split by Ulysses SP = 2 over padding-free packed rows with dynamic batching, generating with
-``rollout.name=hf`` (the embedded engine does not serve MoE yet). Both steps' losses are finite, the
+the embedded engine (its grouped experts, weights synced in place from the FSDP2 actor). Both steps'
+losses are finite, the
 step-2 checkpoint merges into a model whose experts and routers moved and that generates. (SP = 2's
 log-probs against one process's: ``tests/workers/test_moe_training.py``.)"""
 
@@ -47,7 +48,7 @@ def test_qwen3_moe_trains_two_grpo_steps_with_ulysses_and_merges(
         tmp_path / "ckpt",
         **{
             "algorithm.adv_estimator": "grpo",
-            "actor_rollout_ref.rollout.name": "hf",
+            "actor_rollout_ref.rollout.name": "engine",
             "actor_rollout_ref.actor.ulysses_sequence_parallel_size": 2,
             "actor_rollout_ref.actor.use_dynamic_bsz": True,
             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 128,

@@ -252,7 +252,7 @@ class DecodeStep:
             cache.layers[0][0].data_ptr(),
             cache.layers[-1][1].data_ptr(),
             model.embed.data_ptr(),
-            model.layers[-1].down.data_ptr(),
+            model.layers[-1].o_proj.data_ptr(),
             model.lm_head.data_ptr(),
         )
 

@@ -7,7 +7,8 @@ layer. Weights arrive by name from the trainer's module (:meth:`EngineModel.load
 parameter at a time, so the hybrid engine never builds a second full state dict.
 
 Supported: the Llama family (Llama 2/3, SmolLM2, Mistral without sliding window), Qwen2/Qwen2.5
-(q/k/v bias) and Qwen3 (q/k RMSNorm), tied or untied embeddings, grouped-query attention, and any
+(q/k/v bias) and Qwen3 (q/k RMSNorm), the mixtures of experts Qwen2-MoE, Qwen3-MoE and Mixtral
+(:mod:`.moe`), tied or untied embeddings, grouped-query attention, and any
 RoPE variant whose frequencies do not depend on the sequence length; and Qwen2.5-VL, whose language
 model the engine holds this way while its vision tower runs as the HF module (:mod:`.vision`: image
 features in the prefill's embeddings, M-RoPE positions, decode at a per-row position offset).
@@ -32,6 +33,7 @@ from torch import nn
 
 from hybridflow.workers.lora import hf_parameter_names, merged_hf_weights, unwrap_peft
 from hybridflow.workers.rollout.engine.attention import decode_attention, prefill_attention, span_hidden
+from hybridflow.workers.rollout.engine.moe import MOE_MODEL_TYPES, MoeSpec, MoeWeights, moe_mlp
 from hybridflow.workers.rollout.engine.parallel import (
     SINGLE,
     GenerationShard,
@@ -39,6 +41,7 @@ from hybridflow.workers.rollout.engine.parallel import (
     sum_over_group,
     take_shard,
 )
+from hybridflow.workers.rollout.engine.rope import apply_rope, rope_table, signed_sin  # noqa: F401  (re-exported)
 from hybridflow.workers.rollout.engine.vision import (
     VisionTower,
     is_vision_language,
@@ -48,7 +51,7 @@ from hybridflow.workers.rollout.engine.vision import (
 )
 from hybridflow.workers.vision_forward import SUPPRESSED_LOGIT  # a placeholder's logit, as the actor's
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 _LAYER_NAME = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(.+)$")
 
 
@@ -72,6 +75,7 @@ class ModelSpec:
     tie_word_embeddings: bool
     prefix: str = "model."  # where the decoder's parameters live (a vision-language model's language_model)
     mrope_section: tuple[int, ...] | None = None  # a vision-language model's M-RoPE split of hd / 2
+    moe: MoeSpec | None = None  # a mixture of experts' layout (:mod:`.moe`); None: every MLP dense
 
     @classmethod
     def from_hf(cls, config, parameter_names: list[str]) -> ModelSpec:
@@ -106,16 +110,22 @@ class ModelSpec:
             qkv_bias="self_attn.q_proj.bias" in layer0,
             o_bias="self_attn.o_proj.bias" in layer0,
             mlp_bias="mlp.gate_proj.bias" in layer0,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=tied,
             prefix=prefix,
             mrope_section=mrope,
+            moe=MoeSpec.from_hf(config, model_type),
         )
 
     def sharded(self, size: int) -> ModelSpec:
         """One rank's share of the layout when split ``size`` ways (heads, MLP width, vocabulary)."""
         if size == 1:
             return self
+        if self.moe is not None:
+            raise NotImplementedError(
+                "tensor-parallel generation of a mixture-of-experts model is not implemented (no expert "
+                "parallelism): set rollout.tensor_model_parallel_size=1"
+            )
         split = ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size")
         bad = [f"{k}={getattr(self, k)}" for k in split if getattr(self, k) % size]
         if bad:
@@ -134,9 +144,13 @@ class ModelSpec:
 class LayerWeights:
     """One decoder layer in the generation layout (``F.linear`` weights are (out, in))."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, index: int = 0) -> None:
         def empty(*shape):
             return torch.empty(*shape, dtype=dtype, device=device)
+
+        # a sparse layer of a mixture of experts: its router and experts instead of the dense MLP
+        sparse = spec.moe is not None and spec.moe.sparse[index]
+        self.moe = MoeWeights(spec.moe, spec.hidden_size, dtype, device) if sparse else None
 
         qkv_out = spec.q_size + 2 * spec.kv_size
         self.input_norm = empty(spec.hidden_size)
@@ -147,10 +161,11 @@ class LayerWeights:
         self.o_proj = empty(spec.hidden_size, spec.q_size)
         self.o_bias = empty(spec.hidden_size) if spec.o_bias else None
         self.post_norm = empty(spec.hidden_size)
-        self.gate_up = empty(2 * spec.intermediate_size, spec.hidden_size)
-        self.gate_up_bias = empty(2 * spec.intermediate_size) if spec.mlp_bias else None
-        self.down = empty(spec.hidden_size, spec.intermediate_size)
-        self.down_bias = empty(spec.hidden_size) if spec.mlp_bias else None
+        dense = not sparse
+        self.gate_up = empty(2 * spec.intermediate_size, spec.hidden_size) if dense else None
+        self.gate_up_bias = empty(2 * spec.intermediate_size) if spec.mlp_bias and dense else None
+        self.down = empty(spec.hidden_size, spec.intermediate_size) if dense else None
+        self.down_bias = empty(spec.hidden_size) if spec.mlp_bias and dense else None
 
     def targets(self, spec: ModelSpec) -> dict[str, tuple[torch.Tensor, int, int]]:
         """HF parameter suffix -> (engine tensor, first row, end row) it is copied into."""
@@ -162,10 +177,13 @@ class LayerWeights:
             "self_attn.v_proj.weight": (self.qkv, q + kv, q + 2 * kv),
             "self_attn.o_proj.weight": (self.o_proj, 0, spec.hidden_size),
             "post_attention_layernorm.weight": (self.post_norm, 0, spec.hidden_size),
-            "mlp.gate_proj.weight": (self.gate_up, 0, inter),
-            "mlp.up_proj.weight": (self.gate_up, inter, 2 * inter),
-            "mlp.down_proj.weight": (self.down, 0, spec.hidden_size),
         }
+        if self.moe is not None:
+            out.update(self.moe.targets())
+        else:
+            out["mlp.gate_proj.weight"] = (self.gate_up, 0, inter)
+            out["mlp.up_proj.weight"] = (self.gate_up, inter, 2 * inter)
+            out["mlp.down_proj.weight"] = (self.down, 0, spec.hidden_size)
         if self.qkv_bias is not None:
             out["self_attn.q_proj.bias"] = (self.qkv_bias, 0, q)
             out["self_attn.k_proj.bias"] = (self.qkv_bias, q, q + kv)
@@ -190,19 +208,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
-
-
-def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """``sin`` (..., hd) with its first half negated: HF's ``rotate_half(x) * sin`` (rotate_half:
-    ``cat(-x2, x1)``) is then ``x.roll(hd // 2, -1) * signed_sin(sin)`` bit for bit (a sign flip is
-    exact), with no negation and concatenation per call."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """HF's ``x * cos + rotate_half(x) * sin`` (x (..., hd)) with :func:`signed_sin`'s table."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
 class EngineModel:
@@ -267,7 +272,7 @@ class EngineModel:
             return
         spec, dtype, device = self.spec, self.dtype, self.device
         self.embed = torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
-        self.layers = [LayerWeights(spec, dtype, device) for _ in range(spec.num_layers)]
+        self.layers = [LayerWeights(spec, dtype, device, i) for i in range(spec.num_layers)]
         self.final_norm = torch.empty(spec.hidden_size, dtype=dtype, device=device)
         self.lm_head = self.embed if spec.tie_word_embeddings else torch.empty_like(self.embed)
         if self.vision is not None:
@@ -367,7 +372,8 @@ class EngineModel:
             if self._packed is None:
                 weights = [self.lm_head]
                 for layer in self.layers:
-                    weights += [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
+                    weights += [layer.qkv, layer.o_proj]
+                    weights += [] if layer.moe is not None else [layer.gate_up, layer.down]
                 self._packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights}
             return self._packed
 
@@ -513,6 +519,8 @@ class EngineModel:
         """Attention output projection, residual, then the gated MLP and its residual."""
         spec = self.spec
         x = x + self._row_parallel(attn, layer.o_proj, layer.o_bias)
+        if layer.moe is not None:  # a mixture of experts' sparse layer (.moe)
+            return x + moe_mlp(rms_norm(x, layer.post_norm, spec.rms_norm_eps), layer.moe, self.act)
         gate, up = self._linear(
             rms_norm(x, layer.post_norm, spec.rms_norm_eps), layer.gate_up, layer.gate_up_bias
         ).chunk(2, dim=-1)
@@ -553,7 +561,8 @@ def engine_refusal(config: dict) -> str | None:
     where = "docs/model_support.md lists each family's backends; use actor_rollout_ref.rollout.name=hf"
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"the embedded engine serves {SUPPORTED_MODEL_TYPES}, not model_type={model_type!r} ({where})"
-    if config.get("use_sliding_window") or (model_type == "mistral" and config.get("sliding_window")):
+    windowed = model_type in ("mistral", "mixtral") and config.get("sliding_window")
+    if config.get("use_sliding_window") or windowed:
         return f"the embedded engine has no sliding-window attention ({model_type}; {where})"
     return None
 
@@ -570,23 +579,6 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     from hybridflow.utils.device import has_fast_bf16
 
     return dtype == torch.float32 or (dtype == torch.bfloat16 and has_fast_bf16("cpu"))
-
-
-def rope_table(module: nn.Module, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (max_positions, hd) in fp32 from the model's own rotary embedding, so every RoPE
-    variant it implements (linear, llama3, yarn, ...) comes out exactly as in its forward."""
-    backbone = getattr(module, "model", module)
-    backbone = getattr(backbone, "language_model", backbone)  # a vision-language model's decoder
-    rotary = getattr(backbone, "rotary_emb", None)
-    if rotary is None:
-        raise NotImplementedError(f"{type(module).__name__} has no rotary_emb; the engine needs RoPE")
-    if getattr(rotary, "rope_type", "default") == "dynamic":
-        raise NotImplementedError("dynamic NTK RoPE depends on the sequence length; use rollout.name=hf")
-    probe = torch.zeros(1, dtype=torch.float32, device=rotary.inv_freq.device)
-    positions = torch.arange(max_positions, device=probe.device).unsqueeze(0)
-    with torch.no_grad():
-        cos, sin = rotary(probe, positions)
-    return cos[0].float().cpu(), sin[0].float().cpu()
 
 
 def _activation(name: str):
