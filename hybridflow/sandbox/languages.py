@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from hybridflow.sandbox.api import SANDBOX_FUSION_LANGUAGES
 
 PYTHON = "<python>"  # replaced inside the sandbox by the interpreter's real path
-# host directories the sandbox binds read-only (hybridflow.workers.rollout.tools._sandbox_child)
+# host directories the sandbox binds read-only (hybridflow.utils._sandbox_child)
 VISIBLE_PREFIXES = ("/usr/", "/bin/", "/sbin/", "/lib/", "/lib32/", "/lib64/", "/libx32/")
 
 

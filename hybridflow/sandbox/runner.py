@@ -2,7 +2,7 @@
 
 The request's code never runs in the server's process. :func:`run_code` validates what the server can
 decide alone (the language, the timeouts, the file paths, the size), then runs ``_driver.py`` plus the
-job in :func:`hybridflow.workers.rollout.tools.sandbox.run_python` with limits derived from the request
+job in :func:`hybridflow.utils.sandbox.run_python` with limits derived from the request
 and the :class:`ServerLimits`:
 
 * wall clock: the compile and run timeouts (each capped at ``max_timeout_s``) plus ``SETUP_SLACK_S`` for
@@ -37,7 +37,7 @@ from hybridflow.sandbox.api import (
     sandbox_error,
 )
 from hybridflow.sandbox.languages import LANGUAGES, commands_for, unavailable_reason
-from hybridflow.workers.rollout.tools.sandbox import SandboxLimits, SandboxResult, run_python
+from hybridflow.utils.sandbox import SandboxLimits, SandboxResult, run_python
 
 DRIVER_SOURCE = (Path(__file__).parent / "_driver.py").read_text(encoding="utf-8")
 SETUP_SLACK_S = 10.0  # the sandbox's own start and the driver's work around the steps

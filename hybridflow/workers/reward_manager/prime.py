@@ -12,15 +12,22 @@ sample is a scoring error like any other: ``RewardScoreError`` naming it, or 0 w
 ``compute_score`` must be picklable: a module-level function, or a custom reward function from
 ``custom_reward_function.path`` (:class:`~.custom.CustomRewardFunction` travels as its file path and
 name, and each worker imports the file itself).
+
+verl's module-level helpers are here too, with verl's behaviour: :func:`parallel_compute_score_async`
+(and :func:`run_reward_scoring`, its synchronous wrapper) scores rows in a process pool, a row that
+raises or outlives ``timeout`` (verl's 300 s) scoring 0.0, every worker process ended afterwards.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import multiprocessing
 import pickle
+from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor, wait
+from functools import partial
 from typing import Any
 
 from hybridflow.workers.reward_manager.naive import (
@@ -35,6 +42,67 @@ from hybridflow.workers.reward_manager.timeouts import ScoreTimeout, call_with_t
 logger = logging.getLogger(__name__)
 
 BACKSTOP_GRACE_S = 10.0  # worker start-up and pickling on top of the per-sample budget
+VERL_ROW_TIMEOUT_S = 300.0  # verl's per-row limit in parallel_compute_score_async
+
+
+async def single_compute_score(
+    evaluation_func, completion, reference, task, task_extra_info, executor, timeout=VERL_ROW_TIMEOUT_S
+):
+    """verl's: ``evaluation_func(task, completion, reference, task_extra_info)`` in ``executor``; None
+    when it raises or runs past ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    call = partial(evaluation_func, task, completion, reference, task_extra_info)
+    try:
+        return await asyncio.wait_for(loop.run_in_executor(executor, call), timeout=timeout)
+    except TimeoutError:
+        logger.warning("prime: a row timed out after %s s: %.80r", timeout, completion)
+    except Exception as exc:
+        logger.warning("prime: a row failed (%s: %s): %.80r", type(exc).__name__, exc, completion)
+    return None
+
+
+async def parallel_compute_score_async(
+    evaluation_func: Callable,
+    completions: list[str],
+    references: list[Any],
+    tasks: list[str],
+    extra_info: list | None = None,
+    num_processes: int = 64,
+    timeout: float = VERL_ROW_TIMEOUT_S,
+) -> list[float]:
+    """verl's: score every row in a pool of ``num_processes`` processes; a failed or timed-out row is
+    0.0, a tuple result its first item, a dict its ``"score"``; the pool's processes are ended
+    afterwards (stuck ones too)."""
+    extra_info = [None] * len(tasks) if extra_info is None else extra_info
+    executor = ProcessPoolExecutor(max_workers=num_processes)
+    try:
+        rows = zip(completions, references, tasks, extra_info, strict=True)
+        results = await asyncio.gather(
+            *(single_compute_score(evaluation_func, c, r, t, e, executor, timeout) for c, r, t, e in rows)
+        )
+    finally:
+        _shutdown(executor, kill=True)
+    return [_row_score(result) for result in results]
+
+
+def _row_score(result: Any) -> float:
+    if result is None or isinstance(result, Exception):
+        return 0.0
+    if isinstance(result, int | float | bool):
+        return float(result)
+    if isinstance(result, dict):  # verl indexes [0] and fails on dict results; their score is meant
+        return float(result["score"])
+    return float(result[0])
+
+
+def run_reward_scoring(
+    evaluation_func, completions, references, tasks, extra_info=None, num_processes=64
+) -> list[float]:
+    """verl's synchronous wrapper: :func:`parallel_compute_score_async` on a new event loop."""
+    scoring = parallel_compute_score_async(
+        evaluation_func, completions, references, tasks, extra_info, num_processes
+    )
+    return asyncio.run(scoring)
 
 
 def _score_in_worker(compute_score, kwargs: dict, timeout_s: float | None) -> tuple[bool, Any]:

@@ -9,10 +9,10 @@ code block scores 0.0. The score is the fraction of test cases passed (``continu
 first 10), with the per-case metadata of :func:`.utils.check_correctness`.
 
 The data sources verl scores this way — ``codecontests``, ``apps``, ``codeforces``, ``taco`` — are
-registered with ``default_compute_score`` (:func:`code_contests_score`). They need the server's URL:
-``reward_model.sandbox_fusion.url`` in the trainer config (or ``sandbox_fusion_url=`` when calling
-``default_compute_score``). verl falls back to its local ``prime_code`` checker without a URL; that
-checker is not part of hybridflow, so scoring those rows without a URL is an error that says so.
+registered with ``default_compute_score`` (:func:`code_contests_score`). With the server's URL
+(``reward_model.sandbox_fusion.url`` in the trainer config, or ``sandbox_fusion_url=`` when calling
+``default_compute_score``) they run there; without one they fall back, as in verl, to
+:mod:`hybridflow.utils.reward_score.prime_code`, which runs them in this machine's sandbox.
 """
 
 from __future__ import annotations
@@ -100,13 +100,12 @@ def code_contests_score(
     memory_limit_mb: int | None = None,
 ) -> float:
     """verl's ``default_compute_score`` branch for code data sources: the pass rate of the first 10 test
-    cases in ``ground_truth``, run on the SandboxFusion server at ``sandbox_fusion_url``."""
+    cases in ``ground_truth``, on the SandboxFusion server at ``sandbox_fusion_url``, else in the local
+    sandbox by :mod:`~hybridflow.utils.reward_score.prime_code`."""
     if not sandbox_fusion_url:
-        raise ValueError(
-            f"data_source {data_source!r} is scored by running its test cases on a SandboxFusion server: "
-            "set reward_model.sandbox_fusion.url (e.g. http://127.0.0.1:8080/run_code from "
-            "`python -m hybridflow.sandbox serve`); verl's local prime_code fallback is not in hybridflow"
-        )
+        from hybridflow.utils.reward_score import prime_code
+
+        return float(prime_code.compute_score(solution_str, ground_truth, continuous=True)[0])
     memory = DEFAULT_MEMORY_LIMIT_MB if memory_limit_mb is None else memory_limit_mb
     score, _ = compute_score(
         sandbox_fusion_url, concurrent_semaphore, memory, solution_str, ground_truth, continuous=True

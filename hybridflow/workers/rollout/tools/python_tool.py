@@ -1,6 +1,6 @@
-"""A code-interpreter tool: runs the model's Python in :mod:`~hybridflow.workers.rollout.tools.sandbox`.
+"""A code-interpreter tool: runs the model's Python in :mod:`~hybridflow.utils.sandbox`.
 
-Tool config keys (all optional) mirror :class:`~hybridflow.workers.rollout.tools.sandbox.SandboxLimits`:
+Tool config keys (all optional) mirror :class:`~hybridflow.utils.sandbox.SandboxLimits`:
 ``wall_timeout_s``, ``cpu_time_s``, ``memory_mb``, ``max_processes``, ``max_output_bytes``,
 ``max_file_bytes``, ``max_open_files``, ``max_disk_mb``, ``use_network_namespace``,
 ``drop_privileges``, ``import_site_packages``; plus ``work_root``, where each call's small host directory
@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from hybridflow.utils.sandbox import SandboxLimits, SandboxResult, run_python
 from hybridflow.workers.rollout.tools.base_tool import BaseTool, ToolSchema
-from hybridflow.workers.rollout.tools.sandbox import SandboxLimits, SandboxResult, run_python
 
 PYTHON_TOOL_SCHEMA: dict[str, Any] = {
     "type": "function",

@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from hybridflow.workers.rollout.tools.sandbox import run_python
+from hybridflow.utils.sandbox import run_python
 
 
 @pytest.fixture(scope="session")

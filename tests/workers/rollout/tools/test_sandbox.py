@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from hybridflow.utils.sandbox import SandboxLimits, run_python
 from hybridflow.workers.rollout.tools.python_tool import PYTHON_TOOL_SCHEMA, PythonTool
-from hybridflow.workers.rollout.tools.sandbox import SandboxLimits, run_python
 
 FAST = {"wall_timeout_s": 3.0, "cpu_time_s": 3}
 pytestmark = pytest.mark.usefixtures("sandbox_available")

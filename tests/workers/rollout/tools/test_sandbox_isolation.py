@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from hybridflow.workers.rollout.tools.sandbox import SandboxLimits, run_python
+from hybridflow.utils.sandbox import SandboxLimits, run_python
 
 pytestmark = pytest.mark.usefixtures("sandbox_available")
 AS_ROOT = os.geteuid() == 0

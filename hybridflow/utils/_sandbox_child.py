@@ -1,4 +1,4 @@
-"""The child half of :mod:`hybridflow.workers.rollout.tools.sandbox`: runs as a script, never imported.
+"""The child half of :mod:`hybridflow.utils.sandbox`: runs as a script, never imported.
 
 ``sandbox.run_python`` starts ``python -I -S -B -X utf8 _sandbox_child.py CONFIG_JSON`` in the run's
 host directory, which holds the untrusted ``main.py`` and two empty mount points (``root``,
