@@ -57,6 +57,10 @@ def test_the_pool_and_engine_keys_become_server_flags(tiny_model_dir):
         _config(tiny_model_dir, *pool, "reward_model.rollout.dtype=bfloat16")
     )
     assert standalone.replicas == 3 and standalone.server_args[-2:] == ("--dtype", "bf16")
+    uncached = RewardModelServers.from_config(
+        _config(tiny_model_dir, "reward_model.rollout.enable_prefix_caching=false")
+    )
+    assert "--no-enable-prefix-caching" in uncached.server_args  # verl's key reaches the judge's server
 
     # verl's gpu_memory_utilization sizes the cache when kv_cache_memory_gb is null (its default now):
     # 0.5 of the free memory for the node's two replicas together, 0.25 each (issue 44 item 5)
@@ -85,12 +89,13 @@ def _ask(address: str) -> str:
 
 
 def _kv_bytes(model_dir: str, slots: int = 256, positions: int = 64) -> int:
-    """layers x (K, V) x slots x KV heads x positions x head size x 4 bytes (fp32): one replica's cache."""
+    """layers x (K, V) x KV heads x (slots x positions + the pool's scratch block of 16) x head size x 4
+    bytes (fp32): one replica's cache (blocks for ``slots`` sequences of ``positions``)."""
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(model_dir)
     head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return c.num_hidden_layers * 2 * slots * c.num_key_value_heads * positions * head * 4
+    return c.num_hidden_layers * 2 * c.num_key_value_heads * (slots * positions + 16) * head * 4
 
 
 def test_a_colocated_judge_sleeps_wakes_and_a_dead_replica_is_named(tiny_model_dir, tmp_path, monkeypatch):

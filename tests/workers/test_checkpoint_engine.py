@@ -51,6 +51,7 @@ def _sync_and_compare(trainer, replicas, manager, version: int, dtype=torch.floa
     return metrics, expected
 
 
+@pytest.mark.slow  # make test-slow: the Ray pools take ~40 s to start (fast tier budget)
 def test_gloo_buckets_smaller_than_a_tensor_give_every_replica_the_trainers_weights_bitwise(pools):
     from hybridflow.workers.checkpoint_engine import CheckpointEngineManager
 
@@ -66,6 +67,7 @@ def test_gloo_buckets_smaller_than_a_tensor_give_every_replica_the_trainers_weig
     _sync_and_compare(trainer, replicas, manager, 2)  # the same group, new weights
 
 
+@pytest.mark.slow  # make test-slow: the Ray pools take ~40 s to start (fast tier budget)
 def test_a_bf16_rollout_gets_the_weights_cast_before_sending(pools):
     from hybridflow.workers.checkpoint_engine import CheckpointEngineManager
 
@@ -77,6 +79,7 @@ def test_a_bf16_rollout_gets_the_weights_cast_before_sending(pools):
     assert metrics["fully_async/param_sync/sent_mb"] == pytest.approx(fp32_mb / 2, rel=0.05)
 
 
+@pytest.mark.slow  # make test-slow: the Ray pools take ~40 s to start (fast tier budget)
 def test_the_object_store_fallback_is_exact(pools):
     from hybridflow.workers.checkpoint_engine import CheckpointEngineManager
 

@@ -80,8 +80,8 @@ class RewardModelServers:
         args = ["--backend", str(served.get("name", "engine")), "--max-model-len", str(int(max_len))]
         args += ["--max-num-seqs", str(int(served.max_num_seqs))]
         args += ["--max-num-batched-tokens", str(int(served.max_num_batched_tokens))]
-        caching = served.get("enable_prefix_caching", True)
-        args.append("--enable-prefix-caching" if caching else "--no-enable-prefix-caching")
+        if not served.get("enable_prefix_caching", True):  # the server's default is on
+            args.append("--no-enable-prefix-caching")
         if served.get("kv_cache_memory_gb") is not None:
             args += ["--kv-cache-memory-gb", str(float(served.kv_cache_memory_gb))]
         else:  # verl's fraction, shared by the replicas that start together from one free-memory reading

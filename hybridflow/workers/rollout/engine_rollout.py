@@ -104,7 +104,10 @@ def build_llm_engine(
     block_size = int(config.get("block_size") or DEFAULT_BLOCK_SIZE)
     if block_size < 1:
         raise ValueError(f"rollout.block_size={block_size} must be at least 1")
-    blocks = blocks_for_budget(model.spec, block_size, model.dtype, budget, max_len)
+    # never more than max_num_seqs sequences of max_len can hold at once (a budget-sized pool on the CPU
+    # would zero gigabytes no sequence reaches)
+    most = max_seqs * -(-max_len // block_size)
+    blocks = min(blocks_for_budget(model.spec, block_size, model.dtype, budget, max_len), most)
     if model.shard.parallel:  # the ranks of a generation group must schedule identically: the fewest blocks
         agreed = torch.tensor([blocks], device=model.device)
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=model.shard.group)
