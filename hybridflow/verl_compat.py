@@ -109,6 +109,8 @@ MODULE_TABLE: dict[str, str | tuple[str, ...]] = {
     "verl.tools.base_tool": "hybridflow.workers.rollout.tools.base_tool",
     "verl.tools.gsm8k_tool": "hybridflow.workers.rollout.tools.gsm8k_tool",
     "verl.tools.sandbox_fusion_tools": "hybridflow.workers.rollout.tools.sandbox_fusion_tool",
+    "verl.tools.search_tool": "hybridflow.workers.rollout.tools.search_tool",
+    "verl.tools.utils.search_r1_like_utils": "hybridflow.workers.rollout.tools.search_r1_like_utils",
     # verl's interactions (issue 49): verl's utils/ package is our registry module
     "verl.interactions": "hybridflow.workers.rollout.interactions",
     "verl.interactions.base": "hybridflow.workers.rollout.interactions.base",
@@ -139,7 +141,7 @@ MODULE_TABLE: dict[str, str | tuple[str, ...]] = {
 
 # verl packages with no hybridflow module of their own: the alias gives an empty package, so that
 # their listed children (``verl.experimental.agent_loop``) import.
-EMPTY_PACKAGES = frozenset({"verl.experimental"})
+EMPTY_PACKAGES = frozenset({"verl.experimental", "verl.tools.utils"})
 
 # Attributes an alias keeps for itself (the import system writes them); everything else is forwarded.
 _OWN = frozenset(

@@ -31,6 +31,9 @@ VERL_CLASS_ALIASES: dict[str, str] = {
     "verl.tools.sandbox_fusion_tools.SandboxFusionTool": (
         "hybridflow.workers.rollout.tools.sandbox_fusion_tool.SandboxFusionTool"  # an HTTP client of its URL
     ),
+    "verl.tools.search_tool.SearchTool": (
+        "hybridflow.workers.rollout.tools.search_tool.SearchTool"  # an HTTP client of retrieval_service_url
+    ),
 }
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import weakref
 from typing import Any
 
 from hybridflow.utils.reward_score.sandbox_fusion.utils import (
@@ -36,6 +35,7 @@ from hybridflow.utils.reward_score.sandbox_fusion.utils import (
     classify_response,
     empty_metadata,
 )
+from hybridflow.workers.rollout.tools import limits
 from hybridflow.workers.rollout.tools.base_tool import BaseTool, ToolSchema
 
 logger = logging.getLogger(__name__)
@@ -52,10 +52,6 @@ SANDBOX_FUSION_TOOL_SCHEMA: dict[str, Any] = {
         },
     },
 }
-# the process-wide limiter of enable_global_rate_limit, one per event loop (asyncio primitives are)
-_GLOBAL_LIMITERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
-    weakref.WeakKeyDictionary()
-)
 
 
 class SandboxFusionTool(BaseTool):
@@ -66,15 +62,10 @@ class SandboxFusionTool(BaseTool):
         self.sandbox_fusion_url = str(self.config.get("sandbox_fusion_url") or "")
         if not self.sandbox_fusion_url:
             raise ValueError("sandbox_fusion_url is not set (the server's .../run_code address)")
-        self.num_workers = _positive_int(self.config, "num_workers", 10)
-        self.rate_limit = _positive_int(self.config, "rate_limit", 10)
-        self.enable_global_rate_limit = bool(self.config.get("enable_global_rate_limit", True))
+        self.limits = limits.from_config("sandbox_fusion", self.config, num_workers=10, rate_limit=10)
         self.default_timeout = float(self.config.get("default_timeout", 30))
         self.default_language = str(self.config.get("default_language", "python"))
         self.memory_limit_mb = int(self.config.get("memory_limit_mb", 1024))
-        self._workers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
-            weakref.WeakKeyDictionary()
-        )
         self._instances: dict[str, dict[str, Any]] = {}
 
     async def create(self, instance_id: str | None = None, ground_truth: Any = None, **kwargs) -> str:
@@ -92,7 +83,7 @@ class SandboxFusionTool(BaseTool):
         timeout = _timeout(parameters.get("timeout"), self.default_timeout)
         language = str(parameters.get("language") or self.default_language)
         started = time.monotonic()
-        async with self._limiter():
+        async with self.limits.hold():
             response, error = await self._post(code, timeout, language)
         metrics: dict[str, Any] = {"duration_s": time.monotonic() - started}
         if error is not None:
@@ -107,17 +98,6 @@ class SandboxFusionTool(BaseTool):
 
     async def release(self, instance_id: str, **kwargs) -> None:
         self._instances.pop(instance_id, None)
-
-    def _limiter(self) -> _Limits:
-        loop = asyncio.get_running_loop()
-        if loop not in self._workers:
-            self._workers[loop] = asyncio.Semaphore(self.num_workers)
-        shared = None
-        if self.enable_global_rate_limit:
-            if loop not in _GLOBAL_LIMITERS:
-                _GLOBAL_LIMITERS[loop] = asyncio.Semaphore(self.rate_limit)
-            shared = _GLOBAL_LIMITERS[loop]
-        return _Limits(self._workers[loop], shared)
 
     async def _post(self, code: str, timeout: float, language: str) -> tuple[dict | None, str | None]:
         """One run on the server, retried on HTTP 504 as verl's client does; ``(json, None)`` or
@@ -182,34 +162,6 @@ class SandboxFusionTool(BaseTool):
             return f"{output}[timed out after {timeout:g}s]"
         metrics["error"] = status or "unknown"
         return f"Error: unexpected sandbox response (status {response.get('status')!r})"
-
-
-class _Limits:
-    """Enters this tool's ``num_workers`` semaphore, then the process-wide one (if any)."""
-
-    def __init__(self, own: asyncio.Semaphore, shared: asyncio.Semaphore | None) -> None:
-        self.own, self.shared = own, shared
-
-    async def __aenter__(self) -> None:
-        await self.own.acquire()
-        if self.shared is not None:
-            try:
-                await self.shared.acquire()
-            except BaseException:
-                self.own.release()
-                raise
-
-    async def __aexit__(self, *exc_info) -> None:
-        if self.shared is not None:
-            self.shared.release()
-        self.own.release()
-
-
-def _positive_int(config: dict[str, Any], key: str, default: int) -> int:
-    value = int(config.get(key, default))
-    if value < 1:
-        raise ValueError(f"{key} must be at least 1, got {value}")
-    return value
 
 
 def _timeout(value: Any, default: float) -> float:

@@ -265,7 +265,7 @@ def entry(**overrides):
             entry(class_name="hybridflow.workers.rollout.tools.parser.HermesParser"),
             "not a subclass of BaseTool",
         ),
-        (entry(class_name="verl.tools.search_tool.SearchTool"), "no counterpart"),
+        (entry(class_name="verl.tools.image_zoom_in_tool.ImageZoomInTool"), "no counterpart"),
         (entry(tool_schema={"type": "function", "function": {"description": "x"}}), "invalid tool_schema"),
         (entry(config=[1]), "'config' must be a mapping"),
         ("just a string", "must be a mapping"),
