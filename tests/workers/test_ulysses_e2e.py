@@ -85,6 +85,7 @@ def test_grpo_with_sp2_repeats_the_sp1_run_step_by_step(
         assert torch.allclose(value, weights[1][name], atol=1e-3), name  # 3 Adam steps of lr 1e-4 apart
 
 
+@pytest.mark.slow  # make test-slow (34 s): SP exactness and an SP = 2 GRPO run stay in the fast tier
 def test_lora_under_sp2_samples_from_the_merged_adapter_and_keeps_the_reference_behind(
     ray_session, tiny_model_dir, arithmetic_data, tmp_path
 ):

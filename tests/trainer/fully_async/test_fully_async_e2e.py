@@ -119,6 +119,7 @@ def mixed_length_data(tmp_path_factory):
     return str(train), str(test)
 
 
+@pytest.mark.slow  # make test-slow (77 s): the fast tier keeps fully_async_main's staleness-0 run
 def test_stale_partial_rollouts_with_token_is(ray_session, vllm_model_dir, mixed_length_data, tmp_path):
     values = _values(
         vllm_model_dir,

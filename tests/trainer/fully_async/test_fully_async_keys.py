@@ -220,7 +220,8 @@ def _engine(view) -> dict:
 
     saved = engine_rollout.LLMEngine, engine_rollout.blocks_for_budget
     engine_rollout.LLMEngine = Recorded
-    engine_rollout.blocks_for_budget = lambda spec, block_size, dtype, budget, max_len: budget // 2**20
+    # blocks: the budget in GiB x 16, under the max_num_seqs x max_model_len cap, so a budget key shows
+    engine_rollout.blocks_for_budget = lambda spec, block_size, dtype, budget, max_len: budget // 2**26
     try:
         rollout = view.actor_rollout_ref.rollout
         built = dict(engine_rollout.build_llm_engine(Model(), rollout))
