@@ -19,6 +19,7 @@ from tests.trainer.ppo.test_agent_loop_e2e import _with_agent_name
 TARGET = "tests.trace.verl_traced_tool_loop.TracedToolAgentLoop"
 
 
+@pytest.mark.slow  # make test-slow (~40-60 s, a whole run); tests/trace/test_rollout_trace.py stays fast
 def test_a_traced_two_step_tool_rollout_reads_back_turn_by_turn(
     ray_session, tiny_model_dir, arithmetic_data, tmp_path
 ):

@@ -91,6 +91,7 @@ def on_policy_runs(ray_session, vllm_model_dir, arithmetic_data, tmp_path_factor
     return tmp
 
 
+@pytest.mark.slow  # make test-slow (~60-90 s: two whole runs); the fast tier's make test budget
 def test_staleness_zero_with_a_sync_every_step_equals_main_ppo(on_policy_runs):
     tmp = on_policy_runs
     sync_metrics, async_metrics = _metrics(tmp, "sync"), _metrics(tmp, "fully_async")
