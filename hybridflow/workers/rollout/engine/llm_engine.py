@@ -118,7 +118,8 @@ class LLMEngine(AsyncEngineAPI, TokenAcceptance):
             decode_buckets(max_num_seqs, cudagraph_capture_sizes),
             max_rows=self.max_num_seqs,
             max_len=self.max_model_len,
-            capture=not enforce_eager and model.device.type == "cuda",
+            # an MoE layer reads its experts' token counts to the host (.moe): not capturable
+            capture=not enforce_eager and model.device.type == "cuda" and model.spec.moe is None,
             pad=pad_batches,
             max_steps=self.decode_steps_per_sync,
             stats=self.stats,
