@@ -179,7 +179,7 @@ def test_undelivered_settings_are_rejected(base_overrides, override, message):
     assert message in str(info.value)
 
 
-@pytest.mark.parametrize("key", ["decode_threads", "decode_steps_per_sync"])
+@pytest.mark.parametrize("key", ["decode_threads", "decode_steps_per_sync", "block_size"])
 def test_engine_only_keys_are_rejected_with_hf_generate(base_overrides, key):
     config = load_config(
         [*base_overrides, "actor_rollout_ref.rollout.name=hf", f"actor_rollout_ref.rollout.{key}=2"]

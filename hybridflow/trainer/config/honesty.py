@@ -255,6 +255,9 @@ def _engine_kwargs_problems(config: DictConfig) -> list[str]:
 
 # rollout keys only the embedded engine reads
 ENGINE_ONLY_KEYS = ("decode_threads", "decode_steps_per_sync", "cudagraph_capture_sizes")
+# keys HF generate (rollout.name=hf) does not read: the engine's own, and the paged cache's block size
+# (the engine's and vLLM's); enable_prefix_caching (verl's default true) stays: HF keeps no cache either way
+HF_UNREAD_KEYS = (*ENGINE_ONLY_KEYS, "block_size")
 
 
 def _engine_capture_problems(config: DictConfig) -> list[str]:
@@ -292,7 +295,7 @@ def _rollout_backend_problems(config: DictConfig) -> list[str]:
         return [
             f"actor_rollout_ref.rollout.{key} is the embedded engine's; HF generate does not read it "
             "(rollout.name=hf): remove it"
-            for key in ENGINE_ONLY_KEYS
+            for key in HF_UNREAD_KEYS
             if rollout.get(key) is not None
         ]
     if rollout.name != "vllm":

@@ -79,9 +79,10 @@ def decode_attention(
 ) -> torch.Tensor:
     """q (B, nh, 1, hd) against one layer's pool ``keys``/``values`` (nkv, num_blocks, block_size, hd)
     through ``table`` (B, W); lengths (B,) → (B, nh, 1, hd). ``span`` (gather): positions read, at
-    least ``max(lengths) + 1``; ``hidden``: :func:`span_hidden` of it, made once per step."""
+    least ``max(lengths) + 1``; ``hidden``: :func:`span_hidden` of it, made once per step (kernel: the
+    keys each row reads, ``lengths + 1``, contiguous)."""
     if backend == "kernel":
-        return paged_decode(q, keys, values, table, lengths)
+        return paged_decode(q, keys, values, table, lengths, counts=hidden)
     if span is None:
         span = int(lengths.max()) + 1
     k, v = gather_span(keys, table, span), gather_span(values, table, span)

@@ -433,6 +433,9 @@ class EngineModel:
                 span = int(lengths.max()) + 1
             span = -(-span // cache.block_size) * cache.block_size
             hidden = span_hidden(lengths, span)  # the rows' masks once for every layer
+        elif attention == "kernel":
+            hidden = (lengths + 1).contiguous()  # the keys each row reads, once for every layer
+            table = table.contiguous()
         slots = cache.slots(table, lengths)  # (B,) where each row's new K/V go
         at = lengths if rope_positions is None else rope_positions
         cos = self.rope_cos[at][:, None, None, :]  # (B, 1, 1, hd): one query, every head
