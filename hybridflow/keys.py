@@ -44,6 +44,7 @@ RETURNS = "returns"
 REWARD_BASELINES = "reward_baselines"
 TEACHER_TOPK_LOG_PROBS = "teacher_topk_logps"  # verl's gkd recipe names
 TEACHER_TOPK_IDS = "teacher_topk_indices"
+ROUTED_EXPERTS = "routed_experts"  # verl's router replay (R2/R3)
 
 # Non-tensor (numpy object array) fields that travel with the batch.
 UID = "uid"  # (B,) group id: responses to the same prompt share it (GRPO/RLOO grouping)
@@ -77,6 +78,12 @@ SCHEMA: dict[str, KeySpec] = {
             TEACHER_TOPK_LOG_PROBS, "(B, T_r, k)", "float32", "distillation: the teacher's top-k log-probs"
         ),
         KeySpec(TEACHER_TOPK_IDS, "(B, T_r, k)", "int64", "distillation: the teacher's top-k token ids"),
+        KeySpec(
+            ROUTED_EXPERTS,
+            "(B, T, L_moe, k)",
+            "uint8 | int16",
+            "router replay: each token's top-k expert ids per MoE layer (0 on padding), input_ids' columns",
+        ),
     )
 }
 

@@ -49,6 +49,14 @@ def is_moe_config(config) -> bool:
     return any(int(getattr(config, field, 0) or 0) > 0 for field in EXPERT_COUNT_FIELDS)
 
 
+def routed_ids_dtype(num_experts: int):
+    """The small int type that holds expert ids ``0 .. num_experts - 1`` in ``routed_experts`` (router
+    replay): uint8 up to 256 experts (verl records uint8), else int16."""
+    import torch
+
+    return torch.uint8 if num_experts <= 256 else torch.int16
+
+
 def without_router_aux_loss(config) -> None:
     """Turn off ``output_router_logits`` on an MoE ``config`` in place (see the module docstring: verl's
     FSDP actor never adds the router's auxiliary loss; computing it would waste work and fails on the

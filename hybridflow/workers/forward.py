@@ -32,6 +32,7 @@ from hybridflow.models.attention import CPU_ATTENTION
 from hybridflow.protocol import DataProto
 from hybridflow.workers.lora import unwrap_peft
 from hybridflow.workers.packed_rows import gather_packed_outputs, plan_packed_rows
+from hybridflow.workers.router_replay import prepare_forward
 from hybridflow.workers.shared_prefix import PackedBatch, gather_response_outputs, plan_packing
 from hybridflow.workers.vision_forward import has_images, vision_response_outputs
 
@@ -71,6 +72,7 @@ def response_outputs(model: nn.Module, micro: DataProto) -> torch.Tensor:
     if getattr(config, "_attn_implementation", None) == CPU_ATTENTION:
         rows = plan_packed_rows(micro, end - first)
         if rows is not None:
+            prepare_forward(model, micro, rows.input_ids, rows)  # router replay's ids (no-op when off)
             logits = _logits(
                 model, rows.input_ids, rows.attention_mask, rows.position_ids, rows.kept_positions
             )
@@ -78,8 +80,10 @@ def response_outputs(model: nn.Module, micro: DataProto) -> torch.Tensor:
     else:
         packed = plan_packing(micro, config, end - first)
         if packed is not None:
+            prepare_forward(model, micro, packed.input_ids, packed)
             return _packed_outputs(model, packed)
     kept_response_len = end - prompt_len
+    prepare_forward(model, micro, micro.batch[keys.INPUT_IDS][:, first:end], (first, end))
     logits = _logits(
         model,
         micro.batch[keys.INPUT_IDS][:, first:end],

@@ -424,10 +424,10 @@ class ActorRolloutRefWorker(CheckpointEngineWorker, FSDPWorkerBase):
         """``old_log_probs`` and ``entropys`` (B, T_r) under the current actor weights."""
         self._use_training_temperature(data)
         log_probs, entropy = self.actor.compute_log_prob(data, self.config.rollout, calculate_entropy=True)
-        return DataProto.from_dict(
-            {keys.OLD_LOG_PROBS: log_probs, "entropys": entropy},
-            meta_info={"temperature": data.meta_info["temperature"]},
-        )
+        tensors = {keys.OLD_LOG_PROBS: log_probs, "entropys": entropy}
+        if self.actor.recorded_routing is not None:  # router_replay.mode=R2: this pass's routing
+            tensors[keys.ROUTED_EXPERTS] = self.actor.recorded_routing
+        return DataProto.from_dict(tensors, meta_info={"temperature": data.meta_info["temperature"]})
 
     @register(dispatch_mode=REF_DISPATCH)
     @annotate("ref", role="ref")

@@ -34,6 +34,7 @@ from hybridflow.utils.ulysses import SequenceSlice, gather_sequence, padded_leng
 from hybridflow.utils.ulysses_rules import SP_KEY, configured_sp_size  # noqa: F401 (re-exported)
 from hybridflow.workers.lora import unwrap_peft
 from hybridflow.workers.packed_rows import PackedInputs, gather_packed_outputs, plan_packed_rows
+from hybridflow.workers.router_replay import prepare_forward
 from hybridflow.workers.shared_prefix import split_rows
 
 
@@ -128,6 +129,10 @@ def sliced_forward(model: nn.Module, micro: DataProto, state: SequenceParallelSt
     def mine(tokens: torch.Tensor) -> torch.Tensor:  # (1, N) → this rank's (1, L), padded with 0
         return torch.nn.functional.pad(tokens, (0, where.padded - total))[:, span]
 
+    # router replay (no-op when off): this rank's slice of the packed row's recorded expert ids
+    prepare_forward(
+        model, micro, packed.input_ids, packed, select=lambda ids: _pad_tokens(ids, where)[:, span]
+    )
     mask = packed.attention_mask
     mask.sequence_slice = where  # the attention reads it (hybridflow.models.attention)
     output = model(
@@ -137,6 +142,13 @@ def sliced_forward(model: nn.Module, micro: DataProto, state: SequenceParallelSt
         use_cache=False,
     )
     return SlicedForward(packed, where, output.logits.float())
+
+
+def _pad_tokens(values: torch.Tensor, where: SequenceSlice) -> torch.Tensor:
+    """(1, N, ...) per packed token → (1, padded, ...), zeros after the N tokens."""
+    padded = values.new_zeros(values.shape[0], where.padded, *values.shape[2:])
+    padded[:, : values.shape[1]] = values
+    return padded
 
 
 def _unpackable_rows(micro: DataProto) -> str:

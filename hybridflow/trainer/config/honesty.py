@@ -29,6 +29,7 @@ from hybridflow.trainer.config.parallelism import (
 )
 from hybridflow.trainer.config.profiler_honesty import profiler_problems
 from hybridflow.trainer.config.reward_loop_honesty import reward_loop_problems
+from hybridflow.trainer.config.router_replay_honesty import router_replay_problems
 from hybridflow.trainer.config.vision_honesty import vision_problems
 
 # dotted key -> (the values whose effect is delivered, why other values are refused / what to do).
@@ -66,6 +67,11 @@ LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
         (0,),
         "ESI expiry handling is not implemented; use trainer.time_budget_minutes to stop (validated and "
         "saved) in time",
+    ),
+    "actor_rollout_ref.rollout.max_replica_restarts": (
+        (3,),
+        "fully_async_main's key (its rollout replicas are a pool of their own, replaced when they die); in "
+        "main_ppo a replica is a training rank, whose death ends the run; remove it",
     ),
     "trainer.profile_steps": (
         (None,),
@@ -412,7 +418,7 @@ def honesty_problems(config: DictConfig) -> list[str]:
     problems += tensor_parallel_problems(config) + vision_problems(config)
     problems += sequence_parallel_problems(config)
     problems += reward_loop_problems(config) + profiler_problems(config)
-    problems += _checkpoint_engine_problems(config)
+    problems += _checkpoint_engine_problems(config) + router_replay_problems(config)
     return problems + _reward_kwargs_problems(config) + distill_problems(config)
 
 
@@ -532,8 +538,7 @@ GENERATION_LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
 }
 # main_generation on the embedded engine (rollout.name=engine) takes the engine's limits too
 GENERATION_ENGINE_LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
-    f"rollout.{key}": _rollout_rule(key)
-    for key in ("enable_chunked_prefill", "disable_log_stats")
+    f"rollout.{key}": _rollout_rule(key) for key in ("enable_chunked_prefill", "disable_log_stats")
 }
 
 EVALUATION_LIMITED_VALUES: dict[str, tuple[tuple, str]] = {

@@ -375,7 +375,12 @@ class RayPPOTrainer:
                 matched = parity["training/rollout_log_probs_diff_max"] <= tolerance
                 self.log_prob_parity = LogProbParity(verified=matched, checked_at=self.global_steps)
                 metrics["training/rollout_log_probs_verified"] = float(matched)
-        return output.select(batch_keys=[keys.OLD_LOG_PROBS], meta_info_keys=[])
+        kept = [keys.OLD_LOG_PROBS]
+        if keys.ROUTED_EXPERTS in output.batch.keys():  # router_replay.mode=R2: the update replays these
+            if keys.ROUTED_EXPERTS in batch.batch.keys():  # as verl: R2 keeps the recorded, not the rollout's
+                batch.pop(batch_keys=[keys.ROUTED_EXPERTS])
+            kept.append(keys.ROUTED_EXPERTS)
+        return output.select(batch_keys=kept, meta_info_keys=[])
 
     def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
         return batch.union(self.wg.ref.compute_ref_log_prob(batch))

@@ -40,6 +40,7 @@ from hybridflow.workers.actor.distill import distill_forward, distilling
 from hybridflow.workers.forward import pad_responses, response_outputs
 from hybridflow.workers.fsdp_utils import grad_norm_and_clip
 from hybridflow.workers.micro_batch import global_batch_info, restore_order, split_micro_batches
+from hybridflow.workers.router_replay import RECORD, REPLAY, acting, install, recorded_ids, replay_mode
 from hybridflow.workers.tensor_parallel import (
     tensor_parallel_state,
     vocab_parallel_entropy,
@@ -118,6 +119,11 @@ class DataParallelPPOActor:
         # maximum response length (verl's default, the padded response width).
         scale = config.get("loss_scale_factor") if config is not None else None
         self.loss_scale_factor = float(scale) if scale is not None else response_length
+        # MoE router replay (workers/router_replay.py): hooks only when configured; R2's recorded ids
+        self.router_replay = replay_mode(config) if config is not None else "disabled"
+        self.recorded_routing: torch.Tensor | None = None
+        if self.router_replay != "disabled":
+            install(module)
 
     # ------------------------------------------------------------------ log-probs
     def _forward(self, micro: DataProto, temperature: float, with_entropy: bool):
@@ -137,7 +143,15 @@ class DataParallelPPOActor:
             batching.log_prob_use_dynamic_bsz,
             batching.log_prob_max_token_len_per_gpu,
         )
-        outputs = [self._forward(m, temperature, calculate_entropy) for m in micros]
+        action = {"R3": REPLAY, "R2": RECORD if self.optimizer is not None else None}.get(self.router_replay)
+        recorded = []
+        with acting(self.module, action) as replay:
+            outputs = []
+            for micro in micros:
+                outputs.append(self._forward(micro, temperature, calculate_entropy))
+                if action == RECORD:  # R2: the routing this pass took, for the update to replay
+                    recorded.append(recorded_ids(replay, micro))
+        self.recorded_routing = restore_order(torch.cat(recorded), order) if recorded else None
         log_probs = restore_order(torch.cat([lp for lp, _ in outputs]), order)
         entropy = restore_order(torch.cat([e for _, e in outputs]), order) if calculate_entropy else None
         return log_probs, entropy
@@ -245,10 +259,16 @@ class DataParallelPPOActor:
         step = int(data.meta_info.get("global_steps", 0))
         self.module.train()
         metrics: dict[str, list] = {}
-        for epoch in range(int(cfg.ppo_epochs)):
-            for mini in self._mini_batches(data, seed=step * 1000 + epoch):
-                self.accumulate_gradients(mini, temperature, metrics)
-                self._optimizer_step(metrics)
+        # router replay: R3 the rollout's ids, R2 the old-log-prob pass's (none: that pass was skipped,
+        # the update's own forward is the old policy's and routes as it did)
+        replays = self.router_replay == "R3" or (
+            self.router_replay == "R2" and keys.ROUTED_EXPERTS in data.batch.keys()
+        )
+        with acting(self.module, REPLAY if replays else None):
+            for epoch in range(int(cfg.ppo_epochs)):
+                for mini in self._mini_batches(data, seed=step * 1000 + epoch):
+                    self.accumulate_gradients(mini, temperature, metrics)
+                    self._optimizer_step(metrics)
         return metrics
 
     def _mini_batches(self, data: DataProto, seed: int) -> list[DataProto]:

@@ -38,6 +38,7 @@ from hybridflow.workers.rollout.engine import EngineModel, LLMEngine, SamplingPa
 from hybridflow.workers.rollout.engine.kv_cache import DEFAULT_BLOCK_SIZE, blocks_for_budget
 from hybridflow.workers.rollout.engine.parallel import SINGLE, GenerationShard
 from hybridflow.workers.rollout.engine.reshard import ReshardLayout, reshard_weights
+from hybridflow.workers.rollout.engine.routing import routed_experts_rows
 from hybridflow.workers.rollout.engine.threaded import (
     decode_shards,
     generate_threaded,
@@ -126,6 +127,7 @@ def build_llm_engine(
         decode_steps_per_sync=decode_steps_per_sync(config, model.device),
         enforce_eager=bool(config.get("enforce_eager", False)),
         cudagraph_capture_sizes=_capture_sizes(config),
+        record_routing=bool(config.get("enable_rollout_routing_replay", False)),  # R3 (engine/routing.py)
     )
 
 
@@ -414,13 +416,19 @@ class EngineRollout(BaseRollout):
                 while self.engine.has_unfinished():
                     self.engine.step()
             completions = [c for r in requests for c in r.completions]
-        return completions_output(
+        output = completions_output(
             prompts,
             completions,
             int(self.config.response_length),
             pad_id,
             bool(self.config.get("calculate_log_probs")),
         )
+        if self.engine.record_routing:  # router replay R3: each token's experts, input_ids' columns
+            output.batch[keys.ROUTED_EXPERTS] = routed_experts_rows(
+                prompts.batch[keys.ATTENTION_MASK], [c.routed_experts for c in completions],
+                int(self.config.response_length),
+            )  # fmt: skip
+        return output
 
     def _generate_conversations(
         self, prompts: DataProto, params: SamplingParams, eos_ids, pad_id

@@ -97,6 +97,9 @@ class Conversation:
     turn_scores: list[float] = field(default_factory=list)
     # a vision-language prompt's images (pixel_values, image_grid_thw): every turn's prefill takes them
     images: dict | None = None
+    # router replay R3 (engine/routing.py): the last turn's expert ids over the whole conversation it
+    # read and wrote, (prompt + response tokens, L, k); later tool / user tokens were never fed: 0 there
+    routed_experts: Any = None
 
     def append(self, token_ids: list[int], generated: bool, log_probs: list[float] | None = None) -> None:
         self.response_ids.extend(token_ids)
@@ -274,6 +277,7 @@ class ToolAgentLoop:
             else:
                 result = await self.engine.generate(ids, turn_params)
             turn = result.completions[0]
+            conv.routed_experts = turn.routed_experts  # the engine recomputes every turn (no prefix cache)
             if not resuming:
                 conv.turn_start = len(conv.response_ids)
                 conv.assistant_turns += 1
@@ -526,4 +530,11 @@ def assemble_conversations(
     turn_scores = np.empty(rows, dtype=object)  # the interaction's scores, a list per row (verl's)
     turn_scores[:] = [list(c.turn_scores) for c in conversations]
     output.non_tensor_batch["turn_scores"] = turn_scores
+    if any(c.routed_experts is not None for c in conversations):  # router replay R3
+        from hybridflow import keys
+        from hybridflow.workers.rollout.engine.routing import routed_experts_rows
+
+        output.batch[keys.ROUTED_EXPERTS] = routed_experts_rows(
+            prompts.batch[keys.ATTENTION_MASK], [c.routed_experts for c in conversations], response_length
+        )
     return output

@@ -53,6 +53,7 @@ from hybridflow.workers.rollout.engine.requests import (
     raise_failed,
     stream_keys,
 )
+from hybridflow.workers.rollout.engine.routing import captured_ids, new_record, prefix_caching_while_recording
 from hybridflow.workers.rollout.engine.sampling import SamplingParams
 from hybridflow.workers.rollout.engine.vision import image_prefill_inputs
 
@@ -62,7 +63,9 @@ class LLMEngine(AsyncEngineAPI, TokenAcceptance):
     pool of ``num_blocks`` KV blocks of ``block_size`` positions (default: as many as
     ``max_num_seqs`` sequences of ``max_model_len`` fill); a prefill processes at most
     ``max_num_batched_tokens`` padded new tokens (at least one request). ``enable_prefix_caching``:
-    full blocks are keyed and shared across requests (off: only the samples of a request share)."""
+    full blocks are keyed and shared across requests (off: only the samples of a request share).
+    ``record_routing``: every completion carries its tokens' expert ids (an MoE model, router replay
+    R3, :mod:`.routing`); turns prefix caching off and decodes with the eager step."""
 
     def __init__(
         self,
@@ -80,7 +83,12 @@ class LLMEngine(AsyncEngineAPI, TokenAcceptance):
         num_blocks: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         enable_prefix_caching: bool = True,
+        record_routing: bool = False,
     ) -> None:
+        self.record_routing = bool(record_routing)
+        enable_prefix_caching = prefix_caching_while_recording(
+            model.spec, record_routing, enable_prefix_caching
+        )
         if max_model_len > model.max_positions:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the engine's {model.max_positions} positions"
@@ -389,7 +397,9 @@ class LLMEngine(AsyncEngineAPI, TokenAcceptance):
         inputs, deltas = {}, [0] * len(items)
         if any(self._images(item) for item in items):  # image features in the embeddings, M-RoPE (.vision)
             inputs, deltas = self._image_inputs(items, starts, max(lengths))
-        logits = self.model.prefill(tokens, lengths_t, self.cache, table, starts, **inputs)
+        record = [] if self.record_routing else None
+        logits = self.model.prefill(tokens, lengths_t, self.cache, table, starts, record=record, **inputs)
+        routed = captured_ids(record, self.model.spec.moe)  # (P, T, L, k) on the host, or None
         self.cache.copy_blocks(*self._partial_copies(items))
         self.stats["prefill_tokens"] += sum(lengths)
         new_seqs, source = [], []
@@ -397,12 +407,17 @@ class LLMEngine(AsyncEngineAPI, TokenAcceptance):
             if item.resumed is not None:
                 seq = item.resumed
                 seq.blocks, seq.length, seq.keys = item.tables[0], len(item.tokens), []
+                if routed is not None:  # recomputed from item.start: its record there is replaced
+                    seq.routing.write(item.start, routed[row, : lengths[row]])
                 self._running.append(seq)
                 self.scheduler.register_full(seq)
                 continue
             for index, blocks in enumerate(item.tables):
                 seq = RunningSequence(item.request, index, length=len(item.tokens), blocks=blocks)
                 seq.rope_delta = int(deltas[row])
+                if routed is not None:  # the samples share the prompt's one prefill, and its routing
+                    seq.routing = new_record(self.model.spec.moe)
+                    seq.routing.write(item.start, routed[row, : lengths[row]])
                 new_seqs.append(seq)
                 source.append(row)
                 self.scheduler.register_full(seq)
@@ -469,6 +484,7 @@ class LLMEngine(AsyncEngineAPI, TokenAcceptance):
         device = self.model.device
         tokens = torch.tensor([s.pending for s in running], device=device)
         lengths = torch.tensor([s.length for s in running], device=device)
+        record = [] if self.record_routing else None
         rope = None
         if any(s.rope_delta for s in running):  # image prompts' rows: rotary position = length + delta
             rope = lengths + torch.tensor([s.rope_delta for s in running], device=device)
@@ -480,8 +496,12 @@ class LLMEngine(AsyncEngineAPI, TokenAcceptance):
             span=max(s.length for s in running) + 1,
             attention=self.decoder.attention,
             rope_positions=rope,
+            record=record,
         )
-        for seq in running:
+        routed = captured_ids(record, self.model.spec.moe)  # (B, L, k): each row's fed token
+        for row, seq in enumerate(running):
+            if routed is not None:
+                seq.routing.write(seq.length, routed[row : row + 1])
             seq.length += 1
             self.scheduler.register_full(seq)
         self.stats["decode_steps"] += 1
@@ -489,6 +509,8 @@ class LLMEngine(AsyncEngineAPI, TokenAcceptance):
 
     def _eager_reason(self) -> str | None:
         """Why the running batch cannot take the static step (None: it can)."""
+        if self.record_routing:  # the static step's fixed buffers do not carry expert ids (.routing)
+            return "record_routing"
         key = self._running[0].request.params.choice_key()
         for seq in self._running:
             params = seq.request.params

@@ -417,6 +417,7 @@ class EngineModel:
         span: int | None = None,
         attention: str = "gather",
         rope_positions: torch.Tensor | None = None,
+        record: list | None = None,
     ) -> torch.Tensor:
         """One new token per row. tokens, lengths (B,): the token at position ``lengths[b]`` of row b,
         whose blocks are ``table[b]`` (B, W) of the paged ``cache`` (:mod:`.kv_cache`). Writes its K/V
@@ -424,7 +425,8 @@ class EngineModel:
         it is not ``lengths`` (an image prompt's row: ``lengths + rope_delta``, :mod:`.vision`).
         ``attention`` (:mod:`.attention`): ``"kernel"`` reads each row's valid keys in place (CPU);
         ``"gather"`` reads the first ``span`` positions of each row's table (``span``: at least
-        ``max(lengths) + 1``; None reads it from ``lengths``, which waits for the device)."""
+        ``max(lengths) + 1``; None reads it from ``lengths``, which waits for the device). ``record``:
+        a list that gets each sparse layer's expert ids (B, k) (:mod:`.routing`)."""
         spec = self.spec
         batch = tokens.shape[0]
         hidden = None
@@ -446,7 +448,7 @@ class EngineModel:
             cache.write(index, slots, k[:, :, 0], v[:, :, 0])
             keys, values = cache.layers[index]
             attn = decode_attention(q, keys, values, table, lengths, attention, span, hidden)
-            x = self._finish_layer(layer, x, attn.reshape(batch, spec.q_size))
+            x = self._finish_layer(layer, x, attn.reshape(batch, spec.q_size), record)
         return self._logits(rms_norm(x, self.final_norm, spec.rms_norm_eps))
 
     def prefill(
@@ -458,6 +460,7 @@ class EngineModel:
         starts: list[int],
         embeds: torch.Tensor | None = None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        record: list | None = None,
     ) -> torch.Tensor:
         """New tokens of P sequences, each after its cached prefix. tokens (P, T) right-padded, lengths
         (P,) new tokens per row, starts (P,) host ints: positions already in the cache (row p's tokens
@@ -465,7 +468,8 @@ class EngineModel:
         row's blocks. Writes the new K/V and returns fp32 logits (P, V) at each row's last token. Right
         padding never leaks into a real token under the causal mask. Image prompts
         (:func:`.vision.image_prefill_inputs`): ``embeds`` (P, T, H) instead of the tokens'
-        embeddings, ``rope`` cos and signed sin (P, T, 1, hd) at the new tokens' positions."""
+        embeddings, ``rope`` cos and signed sin (P, T, 1, hd) at the new tokens' positions. ``record``:
+        a list that gets each sparse layer's expert ids (P, T, k) (:mod:`.routing`)."""
         spec = self.spec
         n_rows, width = tokens.shape
         device = tokens.device
@@ -488,7 +492,7 @@ class EngineModel:
             cache.write(index, slots, k.transpose(1, 2)[valid], v.transpose(1, 2)[valid])
             keys, values = cache.layers[index]
             attn = prefill_attention(q, k, v, keys, values, table, starts_t, max(starts))  # (P, nh, T, hd)
-            x = self._finish_layer(layer, x, attn.transpose(1, 2).reshape(n_rows, width, spec.q_size))
+            x = self._finish_layer(layer, x, attn.transpose(1, 2).reshape(n_rows, width, spec.q_size), record)
         last = x[torch.arange(n_rows, device=device), lengths - 1]  # (P, H)
         return self._logits(rms_norm(last, self.final_norm, spec.rms_norm_eps))
 
@@ -518,12 +522,16 @@ class EngineModel:
         v = qkv[..., k_end:].view(n, width, spec.num_kv_heads, spec.head_dim)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-    def _finish_layer(self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Attention output projection, residual, then the gated MLP and its residual."""
+    def _finish_layer(
+        self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor, record=None
+    ) -> torch.Tensor:
+        """Attention output projection, residual, then the gated MLP and its residual (``record``: a list
+        that gets a sparse layer's expert ids, :mod:`.routing`)."""
         spec = self.spec
         x = x + self._row_parallel(attn, layer.o_proj, layer.o_bias)
         if layer.moe is not None:  # a mixture of experts' sparse layer (.moe)
-            return x + moe_mlp(rms_norm(x, layer.post_norm, spec.rms_norm_eps), layer.moe, self.act)
+            normed = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
+            return x + moe_mlp(normed, layer.moe, self.act, record)
         gate, up = self._linear(
             rms_norm(x, layer.post_norm, spec.rms_norm_eps), layer.gate_up, layer.gate_up_bias
         ).chunk(2, dim=-1)

@@ -101,12 +101,15 @@ def route(h: torch.Tensor, weights: MoeWeights) -> tuple[torch.Tensor, torch.Ten
     return (top if spec.fp32_weights else top.to(logits.dtype)), experts
 
 
-def moe_mlp(h: torch.Tensor, weights: MoeWeights, act) -> torch.Tensor:
-    """The sparse layer's MLP output (..., H) for post-norm hidden states h (..., H)."""
+def moe_mlp(h: torch.Tensor, weights: MoeWeights, act, record: list | None = None) -> torch.Tensor:
+    """The sparse layer's MLP output (..., H) for post-norm hidden states h (..., H). ``record``: a list
+    that gets this layer's expert ids (..., k) (router replay's recording, :mod:`.routing`)."""
     shape = h.shape
     flat = h.reshape(-1, shape[-1])
     top, experts = route(flat, weights)
     k = experts.shape[1]
+    if record is not None:
+        record.append(experts.view(*shape[:-1], k))
     order = torch.argsort(experts.reshape(-1), stable=True)  # (N * k,) pairs grouped by expert
     counts = torch.bincount(experts.reshape(-1), minlength=weights.spec.num_experts).tolist()
     tokens, slots = order // k, order % k

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridflow.workers.rollout.engine.routing import RoutingRecord
 from hybridflow.workers.rollout.engine.sampling import SamplingParams
 
 
@@ -25,6 +26,8 @@ class Completion:
     log_probs: list[float]
     finish_reason: str  # "stop" | "length" | "abort" | "error"
     top_log_probs: list[list[tuple[int, float]]] | None = None
+    # router replay (R3, .routing): (prompt + response tokens, L sparse layers, k) expert ids, or None
+    routed_experts: torch.Tensor | None = None
 
 
 class EngineRequestError(RuntimeError):
@@ -84,6 +87,7 @@ class RunningSequence:
     token_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     top_log_probs: list[list[tuple[int, float]]] = field(default_factory=list)
+    routing: RoutingRecord | None = None  # the expert ids per position, when the engine records them
 
 
 def cached_tokens(seq: RunningSequence) -> list[int]:
@@ -94,7 +98,10 @@ def cached_tokens(seq: RunningSequence) -> list[int]:
 
 def finished_completion(seq: RunningSequence, reason: str) -> Completion:
     tops = seq.top_log_probs if seq.request.params.logprobs > 0 else None
-    return Completion(seq.token_ids, seq.log_probs, reason, tops)
+    routed = None
+    if seq.routing is not None:
+        routed = seq.routing.upto(len(seq.request.prompt_ids) + len(seq.token_ids))
+    return Completion(seq.token_ids, seq.log_probs, reason, tops, routed)
 
 
 def raise_failed(requests: list[EngineRequest]) -> None:
