@@ -111,6 +111,11 @@ MODULE_TABLE: dict[str, str | tuple[str, ...]] = {
     "verl.tools.sandbox_fusion_tools": "hybridflow.workers.rollout.tools.sandbox_fusion_tool",
     "verl.tools.search_tool": "hybridflow.workers.rollout.tools.search_tool",
     "verl.tools.utils.search_r1_like_utils": "hybridflow.workers.rollout.tools.search_r1_like_utils",
+    # verl's MCP tools (issue 49): verl's mcp_clients/ package is our one mcp_client module
+    "verl.tools.mcp_base_tool": "hybridflow.workers.rollout.tools.mcp_base_tool",
+    "verl.tools.mcp_search_tool": "hybridflow.workers.rollout.tools.mcp_search_tool",
+    "verl.tools.utils.mcp_clients.McpClientManager": "hybridflow.workers.rollout.tools.mcp_client",
+    "verl.tools.utils.mcp_clients.utils": "hybridflow.workers.rollout.tools.mcp_client",
     # verl's interactions (issue 49): verl's utils/ package is our registry module
     "verl.interactions": "hybridflow.workers.rollout.interactions",
     "verl.interactions.base": "hybridflow.workers.rollout.interactions.base",
@@ -141,7 +146,7 @@ MODULE_TABLE: dict[str, str | tuple[str, ...]] = {
 
 # verl packages with no hybridflow module of their own: the alias gives an empty package, so that
 # their listed children (``verl.experimental.agent_loop``) import.
-EMPTY_PACKAGES = frozenset({"verl.experimental", "verl.tools.utils"})
+EMPTY_PACKAGES = frozenset({"verl.experimental", "verl.tools.utils", "verl.tools.utils.mcp_clients"})
 
 # Attributes an alias keeps for itself (the import system writes them); everything else is forwarded.
 _OWN = frozenset(

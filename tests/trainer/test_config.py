@@ -396,3 +396,26 @@ def test_an_interaction_class_that_does_not_import_is_refused_before_ray_starts(
     unused = load_config([*base_overrides, f"{key}.interaction_config_path={good}"])
     with pytest.raises(ConfigError, match="interaction_config_path is set but nothing runs interactions"):
         validate_config(unused)
+
+
+def test_a_verl_tool_we_do_not_have_is_refused_before_ray_starts(tmp_path, base_overrides):
+    """``multi_turn.tool_config_path``: each entry's class is imported at validation (no tool is built and
+    no server called: an MCP entry's servers file need only be there)."""
+    key = "actor_rollout_ref.rollout.multi_turn"
+    bad = tmp_path / "tools.yaml"
+    bad.write_text(
+        "tools:\n  - class_name: verl.tools.image_zoom_in_tool.ImageZoomInTool\n    config: {type: native}\n"
+    )
+    config = load_config([*base_overrides, f"{key}.enable=true", f"{key}.tool_config_path={bad}"])
+    with pytest.raises(
+        ConfigError, match=r"tool_config_path: .*tools\[0\]: .*ImageZoomInTool.* no counterpart"
+    ):
+        validate_config(config)
+    (tmp_path / "mcp_server.json").write_text('{"mcpServers": {"x": {"url": "http://127.0.0.1:9/mcp"}}}')
+    good = tmp_path / "mcp_tool_config.yaml"  # verl's, with its servers file beside it
+    good.write_text(
+        "tools:\n  - class_name: verl.tools.mcp_search_tool.MCPSearchTool\n"
+        "    config: {rate_limit: 120, timeout: 120, type: mcp}\n"
+        "    mcp: {mcp_servers_config_path: ./mcp_server.json, tool_selected_list: [tavily_search_tool]}\n"
+    )
+    validate_config(load_config([*base_overrides, f"{key}.enable=true", f"{key}.tool_config_path={good}"]))

@@ -239,7 +239,7 @@ def _check_unsupported(config: DictConfig) -> list[str]:
         path = rollout.multi_turn.get("tool_config_path")
         if path and not os.path.isfile(os.path.expanduser(str(path))):
             problems.append(f"rollout.multi_turn.tool_config_path: {path!r} is not a file")
-    problems += _interaction_problems(rollout) + _engine_model_problems(config)
+    problems += _tool_problems(rollout) + _interaction_problems(rollout) + _engine_model_problems(config)
     problems += _check_lora(config.actor_rollout_ref.model)
     return problems + _agent_loop_problems(config) + _rollout_correction_problems(config)
 
@@ -262,6 +262,21 @@ def _engine_model_problems(config: DictConfig) -> list[str]:
 
     refusal = engine_refusal(raw)
     return [f"actor_rollout_ref.rollout.name=engine: {refusal}"] if refusal else []
+
+
+def _tool_problems(rollout: DictConfig) -> list[str]:
+    """``multi_turn.tool_config_path``: every entry's class imports (a verl tool we do not have is
+    refused by name), its schema or MCP servers file is there; no tool is built, no server called."""
+    path = rollout.multi_turn.get("tool_config_path")
+    if not path or not os.path.isfile(os.path.expanduser(str(path))):
+        return []  # unset, or refused above
+    from hybridflow.workers.rollout.tools.registry import ToolConfigError, check_tool_config
+
+    try:
+        check_tool_config(os.path.expanduser(str(path)))
+    except ToolConfigError as error:
+        return [f"rollout.multi_turn.tool_config_path: {error}"]
+    return []
 
 
 def _interaction_problems(rollout: DictConfig) -> list[str]:
