@@ -195,6 +195,7 @@ class RayWorkerGroup(WorkerGroup):
         super().__init__(name_prefix or f"wg_{uuid.uuid4().hex[:6]}", role=_role)
         self.ray_cls_with_init = ray_cls_with_init
         self.resource_pool = resource_pool
+        self._spawn_options: list[dict] = []  # each rank's actor options (replace_worker starts it again)
         if _workers is None:
             _workers = self._spawn(resource_pool, ray_cls_with_init, num_threads, env or {})
         self._workers = _workers
@@ -269,11 +270,45 @@ class RayWorkerGroup(WorkerGroup):
                     "name": f"{self.name}_rank{rank}_{uuid.uuid4().hex[:4]}",
                     **cls_with_init.ray_options,
                 }
+                self._spawn_options.append(options)
                 workers.append(
                     remote_cls.options(**options).remote(*cls_with_init.args, **cls_with_init.kwargs)
                 )
                 rank += 1
         return workers
+
+    def replace_worker(self, rank: int):
+        """Start a new process for ``rank`` (one whose process died) in the same bundle with the same
+        environment, and make it the group's rank ``rank``; returns its actor handle. Only for a group
+        this one spawned (its views share the list of workers, so they see the new one too)."""
+        if rank >= len(self._spawn_options):
+            raise RuntimeError(f"worker group {self.name!r} did not spawn rank {rank}: it cannot replace it")
+        try:
+            ray.kill(self._workers[rank], no_restart=True)
+        except Exception:  # noqa: S110  (already gone: the usual case)
+            pass
+        options = {**self._spawn_options[rank], "name": f"{self.name}_rank{rank}_{uuid.uuid4().hex[:4]}"}
+        cls_with_init = self.ray_cls_with_init
+        worker = (
+            ray.remote(cls_with_init.cls)
+            .options(**options)
+            .remote(*cls_with_init.args, **cls_with_init.kwargs)
+        )
+        self._workers[rank] = worker
+        self._process_info_refs[rank] = self._submit(rank, "process_info", (), {})
+        self._process_info = None  # read again (the new pid)
+        return worker
+
+    def view(self, ranks: list[int]) -> RayWorkerGroup:
+        """A group of some of this group's workers (their ranks stay theirs; calls dispatch over the
+        view's positions): a call on a few replicas, e.g. the weight load of a restarted one."""
+        return RayWorkerGroup(
+            resource_pool=None,
+            ray_cls_with_init=self.ray_cls_with_init,
+            name_prefix=f"{self.name}/ranks{'-'.join(map(str, ranks))}",
+            _workers=[self._workers[r] for r in ranks],
+            _role=self.role,
+        )
 
     def spawn(self, prefix_set) -> dict[str, RayWorkerGroup]:
         """For a colocated worker class: one group view per role, sharing these worker processes."""

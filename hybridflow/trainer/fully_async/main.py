@@ -32,6 +32,11 @@ def fully_async_problems(config: DictConfig) -> list[str]:
     for key in ("trigger_parameter_sync_step", "require_batches"):
         if int(asynchronous[key]) < 1:
             problems.append(f"async_training.{key} must be >= 1, got {asynchronous[key]}")
+    restarts = config.actor_rollout_ref.rollout.get("max_replica_restarts", 3)
+    if not isinstance(restarts, int) or restarts < 0:
+        problems.append(
+            f"actor_rollout_ref.rollout.max_replica_restarts must be an integer >= 0, got {restarts}"
+        )
     if int(config.data.gen_batch_size) < 1:
         problems.append(f"data.gen_batch_size must be >= 1, got {config.data.gen_batch_size}")
     if int(config.rollout.n_gpus_per_node) < 1 or int(config.rollout.nnodes) < 1:
@@ -95,6 +100,10 @@ def ppo_view(config: DictConfig) -> DictConfig:
         # the view keeps main_ppo's colocated defaults, which its checks expect
         defaults = load_schema().actor_rollout_ref.rollout.checkpoint_engine
         view.actor_rollout_ref.rollout.checkpoint_engine = defaults
+        # the replicas' restarts are the rollouter's (build reads them from the config): main_ppo's default
+        view.actor_rollout_ref.rollout.max_replica_restarts = (
+            load_schema().actor_rollout_ref.rollout.max_replica_restarts
+        )
         rollout_steps = config.rollout.get("total_rollout_steps")
         if rollout_steps and not config.trainer.get("total_training_steps"):
             view.trainer.total_training_steps = max(1, int(rollout_steps) // groups_per_step(config))
@@ -184,7 +193,8 @@ def build(config: DictConfig, view: DictConfig, groups, rollout_group):
             for k in (0, 1)  # training (no examples printed), validation (one)
         ]
     rollout_group.init_model()  # waits for the rollout processes
-    manager = AgentLoopManager(view, rollout_group)
+    restarts = int(config.actor_rollout_ref.rollout.get("max_replica_restarts", 3))
+    manager = AgentLoopManager(view, rollout_group, max_replica_restarts=restarts)  # elastic replicas
     queue = GroupQueue(capacity=admission_bound(config))
     trainer_box = {}
     rollouter = Rollouter(

@@ -15,6 +15,10 @@ generated with the weights of the step before (on-policy).
 generated, with its log-probs) and the groups wait to be resumed under the new weights, where they
 stopped; without it the groups in flight finish first (drain). Then the serve loops stop, the weights
 move (:mod:`.param_sync`), and :meth:`Rollouter.resume` starts serving again.
+
+**Elastic replicas.** A replica whose process dies while serving is replaced (the manager's watcher,
+:mod:`hybridflow.workers.rollout.agent_loop.elastic`): its requests go to the other replicas, the groups
+go on, and ``rollout/replica_restarts`` / ``rollout/requests_rerouted`` count it in :meth:`metrics`.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from collections import deque
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.fully_async.message_queue import GroupQueue, RolloutGroup
 from hybridflow.trainer.ppo.rollouts import join_rollout, rollout_input
+from hybridflow.workers.rollout.agent_loop.elastic import ReplicaRestartLimit
 
 
 class Rollouter:
@@ -96,6 +101,7 @@ class Rollouter:
             "fully_async/partial/total_partial_num": float(self.stats["partial_samples"]),
             "fully_async/rollouter/idle_ratio": min(self.stats["idle_s"] / window, 1.0),
             "agent_loop/stuck_scorers": float(self.stats.get("stuck_scorers", 0)),
+            **(self.manager.elastic_metrics() if hasattr(self.manager, "elastic_metrics") else {}),
         }
 
     # ------------------------------------------------------------------ the rollouter's thread
@@ -171,6 +177,8 @@ class Rollouter:
             f"the serve-loop watcher of {names} failed: {type(error).__name__}: {error}; a replica "
             "that died would go unnoticed, so the run stops"
         )
+        if isinstance(error, ReplicaRestartLimit):  # replicas kept dying: the message says it all
+            reason = str(error)
         self.queue.fail(RuntimeError(reason))
         self._loop.create_task(self._fail_servers(reason))
 
@@ -182,6 +190,9 @@ class Rollouter:
 
     async def _stop_serving(self) -> None:
         self._serving_ended.set()  # a serve loop returning from here on is the normal end
+        watcher = getattr(self, "_watcher", None)
+        if watcher is not None:  # a replica restart it began is complete (the sync then sees the new one)
+            await asyncio.wait({watcher})
         serving, self._serving = self._serving, []
         await asyncio.to_thread(self.manager.stop_serving, serving)
 

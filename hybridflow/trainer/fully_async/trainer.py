@@ -86,6 +86,7 @@ class FullyAsyncTrainer(RayPPOTrainer):
         )
         self.sync_every = int(asynchronous.trigger_parameter_sync_step)
         self.rollouter_started = False
+        self.actor_at_synced_version = False  # the actor's weights are the replicas' (param_version)
         self.weight_sync = None  # the checkpoint engine's manager, built with the first sync
         self.wait_s = 0.0
         self.sync_probe_limit = self.log_prob_gap_limit  # the probe after each sync (None: off)
@@ -106,11 +107,32 @@ class FullyAsyncTrainer(RayPPOTrainer):
         """The next groups, oldest first (see :mod:`.message_queue`), as one batch (each group's prompts
         are padded to its own longest: they are left-padded to the widest group's first)."""
         self._start_rollouter()
-        groups, waited = self.queue.take(self.required_groups)
+        groups, waited = self._take_groups()
         timing["wait_for_samples"] = waited
         self.wait_s += waited
         metrics.update(self._group_metrics(groups))
         return concat_rows([group.batch for group in groups])
+
+    def _take_groups(self) -> tuple[list[RolloutGroup], float]:
+        """The step's groups and the seconds waited for them. While waiting, a restarted replica gets
+        the current weights (:meth:`_load_restarted_replicas`): the actor is idle then."""
+        waited = 0.0
+        while True:
+            self._load_restarted_replicas()
+            try:
+                groups, more = self.queue.take(self.required_groups, timeout_s=1.0)
+                return groups, waited + more
+            except TimeoutError:
+                waited += 1.0
+
+    def _load_restarted_replicas(self) -> None:
+        """Replicas restarted after their process died (:mod:`hybridflow.workers.rollout.agent_loop.
+        elastic`) get the actor's weights through the checkpoint engine and serve again, when those
+        weights are the replicas' version (no update since the last sync); else the next sync gives
+        them the weights, as to every replica."""
+        elastic = getattr(self.rollout_manager, "elastic", None)
+        if elastic is not None and elastic.pending and self.actor_at_synced_version:
+            elastic.load_pending(self.param_version)
 
     def _group_metrics(self, groups: list[RolloutGroup]) -> dict[str, float]:
         """Staleness of the trained samples (the version of the weights being trained minus the oldest
@@ -140,7 +162,11 @@ class FullyAsyncTrainer(RayPPOTrainer):
         if self.rollouter_started:
             return
         self.weight_sync = build_weight_sync(self.config, self.wg.actor_rollout, self.rollout_group)
+        elastic = getattr(self.rollout_manager, "elastic", None)
+        if elastic is not None:  # a restarted replica's weights come through it
+            elastic.weight_sync = self.weight_sync
         sync_parameters(self.weight_sync, self.param_version)
+        self.actor_at_synced_version = True
         self.rollouter.start(self.param_version, start_seq=self.queue.taken)
         self.rollouter_started = True
         self.probe_sync()
@@ -189,12 +215,17 @@ class FullyAsyncTrainer(RayPPOTrainer):
         step_metrics = {"fully_async/trainer/idle_ratio": min(self.wait_s / max(elapsed, 1e-9), 1.0)}
         self._last_step_end, self.wait_s = now, 0.0
         if self.global_steps % self.sync_every != 0:
+            self.actor_at_synced_version = False  # the replicas hold older weights than the actor now
             return {**step_metrics, **self.rollouter.metrics()}
         start = time.perf_counter()
         rollouter_metrics = self.rollouter.metrics()
         self.rollouter.pause()
         self.param_version += 1
         sync = sync_parameters(self.weight_sync, self.param_version)
+        self.actor_at_synced_version = True
+        elastic = getattr(self.rollout_manager, "elastic", None)
+        if elastic is not None:  # the sync loaded restarted replicas too: they serve from the resume
+            elastic.weights_loaded()
         self.rollouter.resume(self.param_version)
         window = time.perf_counter() - start
         probe = self.probe_sync()

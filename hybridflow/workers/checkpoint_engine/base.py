@@ -89,6 +89,11 @@ class CheckpointEngine(ABC):
     def finalize(self) -> None:
         """After each sync: free the buffers (and the group, where the backend rebuilds it)."""
 
+    def reset(self) -> None:
+        """Forget the group kept across syncs: the next sync builds a new one (the rollout's ranks
+        changed: a replica died and a new process took its place)."""
+        return None  # nothing kept by default
+
 
 CHECKPOINT_ENGINES: Registry = Registry("checkpoint engine backend")
 

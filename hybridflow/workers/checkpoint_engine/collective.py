@@ -139,6 +139,9 @@ class CollectiveCheckpointEngine(CheckpointEngine):
         if self.rebuild_group:
             self.groups, self._store = [], None
 
+    def reset(self) -> None:
+        self.groups, self._store = [], None
+
     # ------------------------------------------------------------------ the transfer
     def _broadcast(self, group, tensor: torch.Tensor) -> None:
         if tensor.numel():

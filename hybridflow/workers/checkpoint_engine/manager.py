@@ -95,7 +95,9 @@ class CheckpointEngineManager:
         # after each sync unless keep_last_sent (it would hold the model in the object store)
         self.last_sent, self.keep_last_sent = None, False
         self.last_stats: dict[str, list] = {}
+        self._peers: tuple | None = None  # the rollout workers of the last sync (a kept group's members)
         args = (backend, bucket_megabytes, rollout_dtype, engine_kwargs or {})
+        self._engine_args = args
         self._wait(
             trainer.init_checkpoint_engine_async(args[0], "trainer", *args[1:]),
             rollout.init_checkpoint_engine_async(args[0], "rollout", *args[1:]),
@@ -107,33 +109,52 @@ class CheckpointEngineManager:
 
         return wait_futures(list(futures))
 
-    def _on_all(self, method: str, trainer_kwargs: dict | None = None, rollout_kwargs: dict | None = None):
+    def init_rollout_workers(self, rollout):
+        """Build the engine on new rollout workers (``rollout``: a group of them, e.g. a restarted
+        replica's); returns the call's future (it runs after what the workers were already given)."""
+        args = self._engine_args
+        return rollout.init_checkpoint_engine_async(args[0], "rollout", *args[1:])
+
+    def _on_all(
+        self,
+        method: str,
+        trainer_kwargs: dict | None = None,
+        rollout_kwargs: dict | None = None,
+        rollout=None,
+    ):
         """``method`` on every rank of both groups at once (a rendezvous needs both sides)."""
         calls = []
-        for group, kwargs in ((self.trainer, trainer_kwargs or {}), (self.rollout, rollout_kwargs or {})):
+        rollout = rollout or self.rollout
+        for group, kwargs in ((self.trainer, trainer_kwargs or {}), (rollout, rollout_kwargs or {})):
             calls.append(group.execute_checkpoint_engine_async([method] * group.world_size, **kwargs))
         return self._wait(*calls)
 
-    def update_weights(self, version: int) -> dict[str, float]:
+    def update_weights(self, version: int, rollout=None) -> dict[str, float]:
         """One sync: the replicas now hold the trainer's weights as parameter ``version``. Returns
-        ``timing_s/param_sync`` and ``fully_async/param_sync/*`` (the parts, bytes, peak RSS per side)."""
+        ``timing_s/param_sync`` and ``fully_async/param_sync/*`` (the parts, bytes, peak RSS per side).
+        ``rollout``: only these rollout workers (a view of the group: a restarted replica's load)."""
         start = time.perf_counter()
-        trainer_meta, rollout_meta = self._on_all("prepare")
+        rollout = rollout or self.rollout
+        peers = tuple(worker._actor_id.hex() for worker in rollout.workers)
+        if self._peers is not None and peers != self._peers:  # other processes than the kept group's
+            self._on_all("reset", rollout=rollout)
+        self._peers = peers
+        trainer_meta, rollout_meta = self._on_all("prepare", rollout=rollout)
         trainer_kwargs, rollout_kwargs = self.backend_cls.build_topology(
-            self.trainer.world_size, self.rollout.world_size, list(trainer_meta) + list(rollout_meta)
+            self.trainer.world_size, rollout.world_size, list(trainer_meta) + list(rollout_meta)
         )
-        self._on_all("init_process_group", trainer_kwargs, rollout_kwargs)
+        self._on_all("init_process_group", trainer_kwargs, rollout_kwargs, rollout=rollout)
         setup = time.perf_counter() - start
         sent = self.trainer.send_weights_by_checkpoint_engine_async()
         if getattr(self.backend_cls, "receives_payload", False):  # the receivers read rank 0's result
             (sent_stats,) = self._wait(sent)
             self.last_sent = sent_stats[0][0]
-            received = self.rollout.receive_weights_by_checkpoint_engine_async(version, self.last_sent)
+            received = rollout.receive_weights_by_checkpoint_engine_async(version, self.last_sent)
             (loaded,) = self._wait(received)
         else:  # a collective: both sides at once
-            received = self.rollout.receive_weights_by_checkpoint_engine_async(version, None)
+            received = rollout.receive_weights_by_checkpoint_engine_async(version, None)
             sent_stats, loaded = self._wait(sent, received)
-        self._on_all("finalize")
+        self._on_all("finalize", rollout=rollout)
         if not self.keep_last_sent:
             self.last_sent = None
         stats = [s[1] for s in sent_stats]

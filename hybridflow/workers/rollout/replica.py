@@ -13,7 +13,10 @@ server is asynchronous.
 Aborts (partial rollout): ``abort(request_id)`` / ``abort_all()`` end requests mid-flight; each returns
 the tokens and log-probs generated so far with ``stop_reason="aborted"``. A replica whose engine process
 dies is failed by its manager (:meth:`LLMServer.fail`): every waiting request raises
-:class:`ReplicaError` naming the replica, none hangs.
+:class:`ReplicaError` naming the replica, none hangs. With elastic replicas (fully async) the manager
+marks it lost instead (:meth:`LLMServer.lose`): the waiting requests raise :class:`ReplicaLost`, which the
+agent loops' server manager answers by sending them to another replica, and the server takes requests
+again once a new engine serves it (:meth:`LLMServer.recover`).
 """
 
 from __future__ import annotations
@@ -58,6 +61,11 @@ class ReplicaError(RuntimeError):
     """A replica could not serve a request (its engine process died, or it refused the request)."""
 
 
+class ReplicaLost(ReplicaError):
+    """The replica's engine process died and a new one is starting: send the request elsewhere (what it
+    had generated died with the engine)."""
+
+
 STOP_REASONS = {"stop": "completed", "length": "length", "abort": "aborted"}
 
 
@@ -75,6 +83,7 @@ class LLMServer:
         self._wake = asyncio.Event()
         self._stop = False
         self._failed: str | None = None
+        self._lost: str | None = None  # the engine died, a new one is starting (elastic replicas)
         self._aborting = False  # after abort_all, until start_serving: new requests end at once
         self.served = 0
 
@@ -87,11 +96,14 @@ class LLMServer:
         sampling_params: dict[str, Any] | None = None,
         image_data=None,
         video_data=None,
+        wait_if_lost: bool = False,
     ) -> TokenOutput:
         """Generate for ``prompt_ids``; returns when the request finishes or is aborted. ``image_data``:
         a vision-language prompt's processed images, the sample's ``multi_modal_inputs``
         (``pixel_values``, ``image_grid_thw``), for the prompt's ``<|image_pad|>`` tokens (hybridflow's
-        engine; every turn of a conversation passes its first turn's)."""
+        engine; every turn of a conversation passes its first turn's). While the replica is lost
+        (:meth:`lose`) this raises :class:`ReplicaLost`, or with ``wait_if_lost`` (no replica is up) waits
+        for the new engine."""
         if video_data is not None:
             raise ReplicaError(f"{self.name}: video inputs are not supported")
         if image_data is not None and not (isinstance(image_data, dict) and "image_grid_thw" in image_data):
@@ -102,6 +114,8 @@ class LLMServer:
             )
         if self._failed is not None:
             raise ReplicaError(self._failed)
+        if self._lost is not None and not wait_if_lost:
+            raise ReplicaLost(self._lost)
         if self._aborting:  # a partial-rollout pause: the sample stops where it stands
             return TokenOutput(token_ids=[], log_probs=[], stop_reason="aborted")
         if request_id in self._futures:
@@ -210,9 +224,25 @@ class LLMServer:
                 future.set_exception(ReplicaError(self._failed))
         self._queue.clear()
 
+    async def lose(self, reason: str) -> int:
+        """The engine behind this server died and a new one is starting (elastic replicas): every request
+        waiting here raises :class:`ReplicaLost` (its client sends it to another replica), and so do new
+        ones until :meth:`recover`, except those that ask to wait. Returns how many were waiting."""
+        self._lost = f"{self.name}: {reason}"
+        waiting = [f for f in self._futures.values() if not f.done()]
+        for future in waiting:
+            future.set_exception(ReplicaLost(self._lost))
+        self._queue.clear()
+        self._aborts.clear()
+        return len(waiting)
+
+    def lost(self) -> bool:
+        return self._lost is not None
+
     async def recover(self) -> None:
-        """Clear a failure (the engine behind was replaced)."""
+        """Clear a failure or a loss (the engine behind was replaced)."""
         self._failed = None
+        self._lost = None
 
 
 @dataclass

@@ -280,8 +280,9 @@ def test_slow_samples_and_slow_updates_keep_the_bound_and_the_data(
 def test_a_killed_process_ends_the_run_with_an_error_naming_it_and_keeps_the_checkpoint(
     ray_session, vllm_model_dir, arithmetic_data, tmp_path, victim_class, named
 ):
-    """SIGKILL of the rollout pool's or the trainer pool's process after step 1: the run ends within
-    60 s with an error naming that pool's rank, and step 1's checkpoint stays the last good one."""
+    """SIGKILL of the rollout pool's (with ``max_replica_restarts=0``: no replacement) or the trainer
+    pool's process after step 1: the run ends within 60 s with an error naming that pool's rank, and
+    step 1's checkpoint stays the last good one."""
     import signal
     import threading
     import time
@@ -297,6 +298,8 @@ def test_a_killed_process_ends_the_run_with_an_error_naming_it_and_keeps_the_che
         "killed",
         **ON_POLICY,
         **{"trainer.total_training_steps": 50, "trainer.save_freq": 1},
+        # no replacement: a rollout replica's death ends the run (past the limit, here the first)
+        **{"actor_rollout_ref.rollout.max_replica_restarts": 0},
     )
     failure: list[BaseException] = []
 
@@ -329,3 +332,69 @@ def test_a_killed_process_ends_the_run_with_an_error_naming_it_and_keeps_the_che
     last = read_latest_checkpointed_iteration(str(tmp_path / "ckpt"))
     assert last is not None and last >= 1
     assert (tmp_path / "ckpt" / f"global_step_{last}").is_dir()
+
+
+@pytest.mark.slow  # make test-slow: a rollout replica of a running fully-async run killed with SIGKILL
+def test_a_killed_rollout_replica_is_replaced_and_every_prompt_is_trained_once(
+    ray_session, vllm_model_dir, arithmetic_data, tmp_path
+):
+    """Two rollout replicas; after step 1 one is killed with SIGKILL: the run finishes its 6 steps, a
+    new replica took its place (``rollout/replica_restarts`` = 1), the staleness bound held, and every
+    prompt of the 24 trained was trained once with its 2 samples (none lost, none twice)."""
+    import signal
+    import threading
+    import time
+    from collections import Counter
+
+    import psutil
+
+    values = _values(
+        vllm_model_dir,
+        arithmetic_data,
+        tmp_path,
+        "elastic",
+        **{
+            "rollout.n_gpus_per_node": 2,
+            "trainer.total_training_steps": 6,
+            "async_training.staleness_threshold": 1,
+            "async_training.trigger_parameter_sync_step": 1,
+            "async_training.partial_rollout": True,
+            "data.max_response_length": 16,
+        },
+    )
+    failure: list[BaseException] = []
+
+    def run():
+        try:
+            _run_fully_async(values, tmp_path)
+        except BaseException as error:  # the test inspects it
+            failure.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    log = tmp_path / "outputs" / "hybridflow" / "elastic" / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (log.exists() and log.read_text().strip()):
+        assert time.monotonic() < deadline and thread.is_alive(), f"the run did not log step 1: {failure}"
+        time.sleep(0.1)
+    replicas = [
+        p
+        for p in psutil.process_iter(["cmdline", "create_time", "status"])
+        if "StandaloneRolloutWorker" in " ".join(p.info["cmdline"] or [])
+        and p.info["status"] != psutil.STATUS_ZOMBIE
+    ]
+    assert len(replicas) >= 2, "no two rollout replicas"
+    victim = max(replicas, key=lambda p: p.info["create_time"])  # this run's (an earlier test's may linger)
+    victim.send_signal(signal.SIGKILL)
+    thread.join(timeout=300)
+    assert not thread.is_alive(), "the run hung after a rollout replica died"
+    assert not failure, failure
+    metrics = _metrics(tmp_path, "elastic")
+    assert sorted(metrics) == [1, 2, 3, 4, 5, 6]
+    assert metrics[6]["rollout/replica_restarts"] == 1
+    assert metrics[6]["rollout/requests_rerouted"] >= 0  # 0 if no request was in flight on it
+    assert metrics[6]["rollout/replicas_serving"] == 2  # the new one serves
+    assert all(metrics[step]["fully_async/staleness/max"] <= 1 for step in metrics)
+    trained = Counter(row[0] for step in metrics for row in _rollouts(tmp_path, "elastic", step))
+    assert sum(trained.values()) == 6 * 4 * 2  # steps x groups per step x rollout.n
+    assert set(trained.values()) == {2}, trained  # each prompt's two samples, once

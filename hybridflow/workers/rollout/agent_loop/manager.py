@@ -16,7 +16,9 @@ requests. One ``generate_sequences`` call:
 
 A rank whose process dies mid-rollout fails its server: the samples waiting on it raise an error
 naming the replica and the sample, and the call raises instead of hanging. An agent loop that raises
-does the same, naming the loop and the sample.
+does the same, naming the loop and the sample. Over a rollout pool of its own (``fully_async_main``,
+``max_replica_restarts`` given) the replicas are elastic instead (:mod:`.elastic`): a replica that dies
+is replaced and its requests go to the others.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class AgentLoopManager:
 
     needs_all_fields = True  # the loops read the samples' dataset fields (messages, tools_kwargs, ...)
 
-    def __init__(self, config, worker_group) -> None:
+    def __init__(self, config, worker_group, max_replica_restarts: int | None = None) -> None:
         import ray
         from omegaconf import OmegaConf
 
@@ -68,6 +70,13 @@ class AgentLoopManager:
             for _ in range(int(agent.get("num_workers") or 1))
         ]
         self.pad_token_id = None
+        self.serving_refs: list | None = None  # per replica, its serve loop's future (None: not serving)
+        self._down: set[int] = set()  # replicas whose process died, until they serve again
+        self.elastic = None
+        if max_replica_restarts is not None:  # a standalone pool: replicas that die are replaced
+            from hybridflow.workers.rollout.agent_loop.elastic import ElasticReplicas
+
+            self.elastic = ElasticReplicas(self, max_replica_restarts)
 
     # ------------------------------------------------------------------ one batch
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -101,10 +110,64 @@ class AgentLoopManager:
         one serve-loop future per replica (:meth:`stop_serving` ends them)."""
         import ray
 
-        sync_metrics = self.worker_group.rollout_wake_up(rows)
+        ranks = self.elastic.serving_ranks() if self.elastic is not None else list(range(len(self.servers)))
+        group = self.worker_group if len(ranks) == len(self.servers) else self.worker_group.view(ranks)
+        sync_metrics = group.rollout_wake_up(rows)
+        back = [r for r in ranks if r in self._down]  # restarted replicas, weights loaded by the sync
+        ray.get([self.servers[r].recover.remote() for r in back])
         ray.get([server.start_serving.remote() for server in self.servers])
-        serving = self.worker_group.serve_requests_async(self.servers)  # one long call per rank
-        return sync_metrics, [serving.rank_refs[rank] for rank in sorted(serving.rank_refs)]
+        serving = group.serve_requests_async([self.servers[r] for r in ranks])  # one long call per rank
+        refs: list = [None] * len(self.servers)
+        for position, rank in enumerate(ranks):
+            refs[rank] = serving.rank_refs[position]
+        self._replicas_up(back)
+        if back:
+            print(f"hybridflow: {', '.join(self.server_names[r] for r in back)} serves again", flush=True)
+        self.serving_refs = refs
+        return sync_metrics, refs
+
+    def _replicas_up(self, replicas: list[int]) -> None:
+        import ray
+
+        ray.get([w.replica_up.remote(r) for w in self.workers for r in replicas])
+        self._down.difference_update(replicas)
+
+    def mark_not_serving(self, replica: int) -> None:
+        """Replica ``replica`` died (:mod:`.elastic`): no serve loop of it to watch or wait for."""
+        self._down.add(replica)
+        if self.serving_refs is not None:
+            self.serving_refs[replica] = None
+
+    def join_replicas(self, replicas: list[int]) -> None:
+        """Restarted replicas that now hold the current weights serve again, at once if the others are
+        serving (else from the next :meth:`start_serving`)."""
+        import ray
+
+        if self.serving_refs is None:
+            return
+        view = self.worker_group.view(replicas)
+        view.rollout_wake_up(None)
+        ray.get([self.servers[r].recover.remote() for r in replicas])
+        ray.get([self.servers[r].start_serving.remote() for r in replicas])
+        serving = view.serve_requests_async([self.servers[r] for r in replicas])
+        for position, replica in enumerate(replicas):
+            self.serving_refs[replica] = serving.rank_refs[position]
+        self._replicas_up(replicas)
+        print(f"hybridflow: {', '.join(self.server_names[r] for r in replicas)} serves again", flush=True)
+
+    def elastic_metrics(self) -> dict[str, float]:
+        """``rollout/replica_restarts`` and ``rollout/requests_rerouted`` (the run's totals so far), and
+        ``rollout/replicas_serving`` (now: the replicas not waiting for a new process or its weights)."""
+        import ray
+
+        if self.elastic is None:
+            return {}
+        rerouted = sum(ray.get([w.requests_rerouted.remote() for w in self.workers]))
+        return {
+            "rollout/replica_restarts": float(self.elastic.restarts),
+            "rollout/requests_rerouted": float(rerouted),
+            "rollout/replicas_serving": float(len(self.servers) - len(self._down)),
+        }
 
     def stop_serving(self, serve_refs: list) -> list[dict]:
         """Let every serve loop return once its engine holds no request; the replicas sleep."""
@@ -112,6 +175,7 @@ class AgentLoopManager:
 
         ray.get([server.stop_serving.remote() for server in self.servers])
         served = self._finish_serving(serve_refs)
+        self.serving_refs = None
         self.worker_group.rollout_sleep()
         return served
 
@@ -125,24 +189,56 @@ class AgentLoopManager:
         the samples waiting on it raise instead of hanging."""
         import ray
 
-        pending, watching = list(refs), dict(zip(serve_refs, range(len(serve_refs)), strict=True))
+        pending, ended = list(refs), set()
         while pending:
-            ready, _ = ray.wait(pending + list(watching), num_returns=1)
+            watching = self._watched(serve_refs, ended)
+            ready, _ = ray.wait(pending + list(watching), num_returns=1, timeout=1.0)
             for ref in ready:
                 if ref in watching:
-                    self._fail_server(ref, watching.pop(ref))
+                    ended.add(ref)
+                    self._serve_loop_ended(ref, watching[ref])
                 else:
                     pending.remove(ref)
         return ray.get(refs)
+
+    @staticmethod
+    def _watched(serve_refs: list, ended: set) -> dict:
+        """The serve loops to watch: ``{future: replica}`` (a restarted replica's new one included)."""
+        return {ref: r for r, ref in enumerate(serve_refs) if ref is not None and ref not in ended}
+
+    def _serve_loop_ended(self, ref, replica: int) -> None:
+        """A serve loop ended while serving: with elastic replicas a process that died is replaced
+        (:mod:`.elastic`); otherwise (or for another cause) its server fails."""
+        if getattr(self, "elastic", None) is not None:
+            from hybridflow.single_controller.ray.base import WorkerDiedError
+
+            try:
+                self.worker_group._get_one(ref, replica, "serve_requests")
+            except WorkerDiedError as died:
+                self.elastic.replica_died(replica, str(died).splitlines()[0][:300])
+                return
+            except Exception:  # noqa: S110  (not a death: the server fails below, saying why)
+                pass
+        self._fail_server(ref, replica)
 
     def watch_serving(self, serve_refs: list, stop) -> None:
         """For a streaming caller (the asynchronous rollouter), which has no batch to wait on: block
         until ``stop()`` is true, polling the serve loops; one that ends while serving (its rank died)
         fails its server at once, so the samples waiting on it raise naming the replica."""
+        import time
+
         import ray
 
-        watching = dict(zip(serve_refs, range(len(serve_refs)), strict=True))
-        while watching and not stop():
+        from hybridflow.workers.rollout.agent_loop.elastic import ReplicaRestartLimit
+
+        ended: set = set()
+        while not stop():
+            watching = self._watched(serve_refs, ended)
+            if not watching:
+                if getattr(self, "elastic", None) is None:
+                    return
+                time.sleep(0.2)  # every replica died: their new processes will be watched
+                continue
             try:
                 ready, _ = ray.wait(list(watching), num_returns=1, timeout=0.2)
             except BaseException:  # Ray shut down under a run that failed elsewhere: nothing to watch
@@ -150,11 +246,14 @@ class AgentLoopManager:
                     return
                 raise
             for ref in ready:
-                replica = watching.pop(ref)
+                ended.add(ref)
+                replica = watching[ref]
                 if stop():
                     continue
                 try:
-                    self._fail_server(ref, replica)
+                    self._serve_loop_ended(ref, replica)
+                except ReplicaRestartLimit:
+                    raise
                 except Exception as error:  # the caller ends the run: say which replica it was about
                     raise RuntimeError(
                         f"{self.server_names[replica]}: its serve loop ended while serving, and failing "
@@ -184,6 +283,8 @@ class AgentLoopManager:
 
         stats = []
         for replica, ref in enumerate(serve_refs):
+            if ref is None:  # a replica that died (elastic): not serving
+                continue
             try:
                 stats.append(ray.get(ref))
             except Exception as error:  # the rollout's own error (raised above) says more

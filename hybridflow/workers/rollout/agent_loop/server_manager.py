@@ -8,6 +8,12 @@
   until it catches up — the balance a static split across ranks cannot give.
 - **No hang**: a call that takes longer than ``rollout.agent.generate_timeout_s`` raises
   :class:`~hybridflow.workers.rollout.replica.ReplicaError` naming the replica and the request.
+- **Elastic replicas** (fully async): a call whose replica died (its server raises
+  :class:`~hybridflow.workers.rollout.replica.ReplicaLost`) is sent again to another replica, from the
+  same prompt (the tokens of that turn died with the engine; a multi-turn sample keeps its earlier
+  turns, which are in the prompt), and counted in :attr:`AsyncLLMServerManager.rerouted`. The replica
+  is skipped until the driver says it is back (:meth:`AsyncLLMServerManager.replica_up`); while no
+  replica is up, requests wait at a lost one's server for its new engine.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any
 
 from hybridflow.utils.rollout_trace import rollout_trace_op
 from hybridflow.workers.rollout.agent_loop.images import image_inputs, is_processed
-from hybridflow.workers.rollout.replica import ReplicaError, TokenOutput
+from hybridflow.workers.rollout.replica import ReplicaError, ReplicaLost, TokenOutput
 
 
 class AsyncLLMServerManager:
@@ -47,13 +53,26 @@ class AsyncLLMServerManager:
         self.max_cache_size = int(max_cache_size)
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._calls: dict[str, tuple[int, str]] = {}  # request_id -> (replica, call id) in flight
+        self.down: set[int] = set()  # replicas whose engine died, until replica_up
+        self.rerouted = 0  # calls sent again to another replica because theirs died
+
+    def replica_down(self, index: int) -> None:
+        """Send nothing more to replica ``index`` (its engine died) until :meth:`replica_up`."""
+        self.down.add(int(index))
+
+    def replica_up(self, index: int) -> None:
+        """Replica ``index`` serves again (a new engine with the current weights)."""
+        self.down.discard(int(index))
 
     def _choose_server(self, request_id: str) -> int:
-        if request_id in self._sticky:
+        sticky = self._sticky.get(request_id)
+        if sticky is not None and sticky not in self.down:
             self._sticky.move_to_end(request_id)
-            return self._sticky[request_id]
-        index = min(range(len(self.server_handles)), key=lambda i: (self.in_flight[i], self.sent[i], i))
+            return sticky
+        up = [i for i in range(len(self.server_handles)) if i not in self.down]
+        index = min(up or range(len(self.server_handles)), key=lambda i: (self.in_flight[i], self.sent[i], i))
         self._sticky[request_id] = index
+        self._sticky.move_to_end(request_id)
         if len(self._sticky) > self.max_cache_size:
             self._sticky.popitem(last=False)
         return index
@@ -79,7 +98,18 @@ class AsyncLLMServerManager:
                 )
                 or None
             )
-        index = self._choose_server(request_id)
+        inputs = (prompt_ids, sampling_params, image_data, video_data)
+        while True:
+            index = self._choose_server(request_id)
+            try:
+                return await self._call(index, request_id, *inputs)
+            except ReplicaLost:  # its engine died (the turn's tokens with it): another replica, same prompt
+                self.down.add(index)
+                self.rerouted += 1
+
+    async def _call(self, index, request_id, prompt_ids, sampling_params, image_data, video_data):
+        """One call of ``request_id`` on replica ``index`` (waiting for a lost one's new engine when no
+        replica is up)."""
         self.in_flight[index] += 1
         self.sent[index] += 1
         call_id = uuid.uuid4().hex  # one id per turn on the server (a sample's turns share request_id)
@@ -91,6 +121,7 @@ class AsyncLLMServerManager:
                 sampling_params=dict(sampling_params),
                 image_data=image_data,
                 video_data=video_data,
+                wait_if_lost=len(self.down) >= len(self.server_handles),
             )
             self._calls[request_id] = (index, call_id)
             return await asyncio.wait_for(_awaitable(pending), self.timeout_s)

@@ -151,6 +151,18 @@ class AgentLoopWorker:
             manager_section=self.config.get("reward_manager"),
         )
 
+    # ------------------------------------------------------------------ elastic replicas (the driver's)
+    async def replica_down(self, index: int) -> None:
+        """Replica ``index``'s engine died: route nothing more to it until :meth:`replica_up`."""
+        self.server_manager.replica_down(index)
+
+    async def replica_up(self, index: int) -> None:
+        self.server_manager.replica_up(index)
+
+    async def requests_rerouted(self) -> int:
+        """Calls this worker sent again to another replica because theirs died (the run's total)."""
+        return self.server_manager.rerouted
+
     # ------------------------------------------------------------------ one chunk
     async def generate_sequences(self, batch: DataProto) -> DataProto:
         """Run every row of ``batch`` (prompt rows, already repeated ``n`` times) through its loop."""
