@@ -12,6 +12,8 @@
    ``summary.json``.
 
 Everything runs through the real stack: Ray worker groups, FSDP2 over gloo, HF models, parquet.
+``--arch qwen3_moe`` (or another of :mod:`hybridflow.models.tiny`'s) runs the same task with that
+architecture; ``--override KEY=VALUE`` adds GRPO config keys (e.g. router replay, docs/model_support.md).
 """
 
 from __future__ import annotations
@@ -49,6 +51,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2, help="worker processes (one per CPU core)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the task data, the model init and SFT")
     parser.add_argument("--sft-model", help="reuse this warm-started model directory instead of running SFT")
+    parser.add_argument(
+        "--arch",
+        default="qwen2",
+        help="the tiny model's architecture (hybridflow.models.tiny: qwen2, llama, qwen3_moe, ...)",
+    )
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one more GRPO config override (repeatable), e.g. actor_rollout_ref.actor.router_replay.mode=R3",
+    )
     return parser.parse_args(argv)
 
 
@@ -76,6 +90,7 @@ def prepare(args: argparse.Namespace, out: Path) -> tuple[Path, Path, Path, Path
     model = build_tiny_model(
         out / "base_model",
         texts=task_texts(task),
+        arch=args.arch,
         hidden_size=args.hidden_size,
         num_layers=args.num_layers,
         intermediate_size=args.hidden_size * 3,
@@ -133,6 +148,7 @@ def grpo(args: argparse.Namespace, out: Path, train: Path, test: Path, model: Pa
             "trainer.project_name=quickstart",
             "trainer.experiment_name=grpo",
             "trainer.resume_mode=disable",
+            *args.override,
         ]
     )
     os.chdir(out)  # logs go to outputs/quickstart/grpo under --out
