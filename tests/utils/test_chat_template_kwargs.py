@@ -1,7 +1,8 @@
 """verl's ``data.apply_chat_template_kwargs`` (issue 48 item 7): a Qwen3 run turns thinking off with
 ``{enable_thinking: false}``, and every path that templates a prompt reads it: the sync dataset (training
-and validation build it alike), main_generation, and the agent loops (their own test:
-tests/workers/rollout/test_agent_loops.py). Before, only the agent loops did."""
+and validation build it alike), main_generation, the agent loops (their own test:
+tests/workers/rollout/test_agent_loops.py) and the sync multi-turn rollout's tool turns. Before, only
+the agent loops did."""
 
 from hybridflow.models.tiny import build_tokenizer
 from hybridflow.tasks.arithmetic import ArithmeticTaskConfig, task_texts, write_rl_dataset
@@ -81,3 +82,20 @@ def test_the_agent_loops_read_them_from_the_data_section():
 
     default, off = (tokenizer.decode(asyncio.run(ids(k))) for k in (None, OFF))
     assert off == default + "<think>\n\n</think>\n\n"
+
+
+def test_the_sync_multi_turn_rollout_renders_tool_turns_with_them():
+    """The sync multi-turn rollout renders each tool turn and the next assistant header itself: the
+    generate call carries the kwargs (``chat_template_meta``) and its renderer applies them, so the
+    header after a tool turn gets the same empty think block as the prompt's."""
+    from hybridflow.trainer.ppo.rollouts import chat_template_meta
+    from hybridflow.workers.rollout.multi_turn import ToolTurnRenderer
+
+    tokenizer = _tokenizer()
+    end_of_turn = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    default = tokenizer.decode(ToolTurnRenderer(tokenizer, end_of_turn).tool_turn_ids(["5"]))
+    off = tokenizer.decode(ToolTurnRenderer(tokenizer, end_of_turn, OFF).tool_turn_ids(["5"]))
+    assert default.endswith("<|im_start|>assistant\n") and off == default + "<think>\n\n</think>\n\n"
+    config = load_config(["+data.apply_chat_template_kwargs.enable_thinking=false"])
+    assert chat_template_meta(config) == {"apply_chat_template_kwargs": OFF}
+    assert chat_template_meta(load_config([])) == {}

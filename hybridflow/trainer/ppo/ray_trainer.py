@@ -37,7 +37,7 @@ from hybridflow.trainer.ppo.checkpointing import TrainerCheckpointer
 from hybridflow.trainer.ppo.concurrent_phases import Phase, run_phases
 from hybridflow.trainer.ppo.dynamic_sampling import GroupFilter
 from hybridflow.trainer.ppo.preemption import StopRequest, TrainingPreempted
-from hybridflow.trainer.ppo.rollouts import rollout_with_uids
+from hybridflow.trainer.ppo.rollouts import chat_template_meta, rollout_with_uids
 from hybridflow.trainer.ppo.step_profiler import StepProfiler
 from hybridflow.trainer.ppo.workers_setup import WorkerGroups, build_worker_groups
 from hybridflow.utils.roles import (
@@ -230,6 +230,7 @@ class RayPPOTrainer:
         Sampling follows the rollout config (``do_sample=false``: greedy)."""
         n = int(self.config.actor_rollout_ref.rollout.n)
         meta = {"global_steps": self.global_steps, "epoch": int(prompts.meta_info.get("epoch", 0))}
+        meta.update(chat_template_meta(self.config))
         return rollout_with_uids(self.rollout, prompts, n, meta, timing, metrics)
 
     def greedy_reward_baselines(self, prompts: DataProto, timing: dict, metrics: dict) -> torch.Tensor:
@@ -240,6 +241,7 @@ class RayPPOTrainer:
         with marked_timer("gen_max", timing):
             # B prompts need not divide the workers (B x n does): pad for the dispatch
             meta = {"global_steps": self.global_steps, "do_sample": False, AUTO_PADDING_KEY: True}
+            meta.update(chat_template_meta(self.config))
             # a copy of the prompts: rollout_with_uids tags them with uids
             greedy = rollout_with_uids(self.rollout, prompts.select(), 1, meta, timing, metrics)
             greedy = self.compute_reward(greedy, {}, timing={})

@@ -34,6 +34,18 @@ def rollout_with_uids(
     return join_rollout(prompts, output)
 
 
+def chat_template_meta(config) -> dict:
+    """``data.apply_chat_template_kwargs`` (verl's, e.g. ``{enable_thinking: false}``) as generate-call meta
+    info, for the templates a rollout renders itself (a multi-turn rollout's tool and user turns); empty
+    when unset. The dataset applies the same kwargs to the prompts."""
+    from omegaconf import OmegaConf
+
+    kwargs = config.data.get("apply_chat_template_kwargs") or {}
+    if OmegaConf.is_config(kwargs):
+        kwargs = OmegaConf.to_container(kwargs, resolve=True)
+    return {"apply_chat_template_kwargs": dict(kwargs)} if kwargs else {}
+
+
 def rollout_input(
     prompts: DataProto, n: int, meta_info: dict, all_fields: bool
 ) -> tuple[DataProto, DataProto]:

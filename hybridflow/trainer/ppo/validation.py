@@ -11,7 +11,7 @@ from hybridflow import keys
 from hybridflow.protocol import AUTO_PADDING_KEY, DataProto
 from hybridflow.trainer.ppo import metric_utils
 from hybridflow.trainer.ppo.generations import decode_generations, ground_truths, report_val_generations
-from hybridflow.trainer.ppo.rollouts import rollout_with_uids
+from hybridflow.trainer.ppo.rollouts import chat_template_meta, rollout_with_uids
 
 
 def run_validation(trainer) -> dict[str, float]:
@@ -22,6 +22,7 @@ def run_validation(trainer) -> dict[str, float]:
         "do_sample": bool(val_kwargs.do_sample),
         AUTO_PADDING_KEY: True,
     }  # the validation set need not divide the workers
+    meta.update(chat_template_meta(trainer.config))
     sources, uids, infos = [], [], {"reward": []}
     texts: dict[str, list] = {"inputs": [], "outputs": [], "gts": []}  # log_val_generations, dumps
     for batch_dict in trainer.val_dataloader:

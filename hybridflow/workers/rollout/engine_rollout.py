@@ -442,6 +442,7 @@ class EngineRollout(BaseRollout):
 
         if self._agent_loop is None:
             self._agent_loop = build_agent_loop(self.engine, self.tokenizer, self.config, eos_ids)
+        self._agent_loop.use_template_kwargs(prompts.meta_info.get("apply_chat_template_kwargs"))
         rows = unpadded_rows(prompts.batch[keys.INPUT_IDS], prompts.batch[keys.ATTENTION_MASK])
         tools_kwargs = prompts.non_tensor_batch.get("tools_kwargs")
         kwargs = [tools_kwargs[i] if tools_kwargs is not None else None for i in range(len(rows))]

@@ -144,9 +144,11 @@ class ToolTurnRenderer:
     It renders a reference conversation with and without the tool messages and keeps the difference
     after the assistant's end-of-turn token, so earlier turns are never re-tokenised."""
 
-    def __init__(self, tokenizer, end_of_turn_ids: list[int]) -> None:
+    def __init__(self, tokenizer, end_of_turn_ids: list[int], template_kwargs: dict | None = None) -> None:
         self.tokenizer = tokenizer
         self.end_of_turn_ids = set(end_of_turn_ids)
+        # data.apply_chat_template_kwargs (verl's, e.g. {enable_thinking: false}), as the prompts had them
+        self.template_kwargs = dict(template_kwargs or {})
         self._base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
         base_ids = self._encode(self._base, add_generation_prompt=False)
         ends = [i for i, t in enumerate(base_ids) if t in self.end_of_turn_ids]
@@ -156,7 +158,7 @@ class ToolTurnRenderer:
 
     def _encode(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs
         )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -197,7 +199,15 @@ class ToolAgentLoop:
             limits,
         )
         self.interactions = dict(interactions or {})
+        self.end_of_turn_ids = list(end_of_turn_ids)
         self.renderer = ToolTurnRenderer(tokenizer, end_of_turn_ids)
+
+    def use_template_kwargs(self, template_kwargs: dict | None) -> None:
+        """Render tool and user turns with ``data.apply_chat_template_kwargs`` (the generate call's meta
+        info): a Qwen3 prompt rendered with ``enable_thinking: false`` gets its next assistant header
+        rendered the same way."""
+        if dict(template_kwargs or {}) != self.renderer.template_kwargs:
+            self.renderer = ToolTurnRenderer(self.tokenizer, self.end_of_turn_ids, template_kwargs)
 
     async def run_batch(
         self,
