@@ -37,6 +37,17 @@ SHAPES = {  # name -> LlamaConfig kwargs of a randomly initialised model
         tie_word_embeddings=True,
         rope_theta=100000.0,
     ),
+    "smollm2_360m": dict(  # SmolLM2-360M's shape
+        hidden_size=960,
+        num_hidden_layers=32,
+        num_attention_heads=15,
+        num_key_value_heads=5,
+        intermediate_size=2560,
+        vocab_size=49152,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+    ),
 }
 
 
