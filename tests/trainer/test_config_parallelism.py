@@ -98,24 +98,31 @@ def test_mixture_of_experts_refuses_tensor_parallelism_and_takes_ulysses(base_ov
 
 
 def test_the_engine_refuses_a_model_it_does_not_serve_before_ray_starts(base_overrides, tmp_path):
-    """rollout.name=engine on a family the engine does not serve (Gemma 2): one line naming the model
+    """rollout.name=engine on a family the engine does not serve (Gemma 1): one line naming the model
     type and the support table, from the config check (the workers would only find out after Ray
-    started). rollout.name=hf takes it."""
+    started). rollout.name=hf takes it; Gemma 2 (served since issue 48 item 5) passes the engine's check."""
     import torch
     import transformers
 
-    config = transformers.Gemma2Config(
+    sizes = dict(
         vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, head_dim=16,
     )  # fmt: skip
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    transformers.AutoModelForCausalLM.from_config(transformers.GemmaConfig(**sizes)).save_pretrained(tmp_path)
     gemma = [*base_overrides, f"actor_rollout_ref.model.path={tmp_path}"]
     with pytest.raises(ConfigError) as info:
         validate_config(load_config([*gemma, "actor_rollout_ref.rollout.name=engine"]))
     assert "actor_rollout_ref.rollout.name=engine: the embedded engine serves" in str(info.value)
-    assert "not model_type='gemma2' (docs/model_support.md" in str(info.value)
+    assert "not model_type='gemma' (docs/model_support.md's support table" in str(info.value)
     try:
         validate_config(load_config([*gemma, "actor_rollout_ref.rollout.name=hf"]))
     except ConfigError as error:  # whatever else it says, not the engine's refusal
+        assert "rollout.name=engine:" not in str(error)
+    served = tmp_path / "gemma2"
+    transformers.AutoModelForCausalLM.from_config(transformers.Gemma2Config(**sizes)).save_pretrained(served)
+    try:
+        overrides = [*base_overrides, f"actor_rollout_ref.model.path={served}"]
+        validate_config(load_config([*overrides, "actor_rollout_ref.rollout.name=engine"]))
+    except ConfigError as error:
         assert "rollout.name=engine:" not in str(error)

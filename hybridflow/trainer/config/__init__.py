@@ -245,8 +245,9 @@ def _check_unsupported(config: DictConfig) -> list[str]:
 
 
 def _engine_model_problems(config: DictConfig) -> list[str]:
-    """``rollout.name=engine`` on a model the engine does not serve (an MoE, Gemma, a sliding window),
-    refused now rather than when the workers build it: read from the model directory's config.json."""
+    """``rollout.name=engine`` on a model the engine does not serve (a family outside
+    docs/model_support.md's support table, a Qwen family's sliding window), refused now rather than when
+    the workers build it: read from the model directory's config.json."""
     import json
 
     if config.actor_rollout_ref.rollout.name != "engine":

@@ -6,12 +6,15 @@ one matrix, gate/up fused into one) and runs prefill and decode with a handful o
 layer. Weights arrive by name from the trainer's module (:meth:`EngineModel.load_weight`), one
 parameter at a time, so the hybrid engine never builds a second full state dict.
 
-Supported: the Llama family (Llama 2/3, SmolLM2, Mistral without sliding window), Qwen2/Qwen2.5
-(q/k/v bias) and Qwen3 (q/k RMSNorm), the mixtures of experts Qwen2-MoE, Qwen3-MoE and Mixtral
-(:mod:`.moe`), tied or untied embeddings, grouped-query attention, and any
-RoPE variant whose frequencies do not depend on the sequence length; and Qwen2.5-VL, whose language
-model the engine holds this way while its vision tower runs as the HF module (:mod:`.vision`: image
-features in the prefill's embeddings, M-RoPE positions, decode at a per-row position offset).
+Supported (:mod:`.layout`: the architecture facts and each family's rules): the Llama family (Llama
+2/3, SmolLM2, Mistral), Qwen2/Qwen2.5 (q/k/v bias) and Qwen3 (q/k RMSNorm), the mixtures of experts
+Qwen2-MoE, Qwen3-MoE and Mixtral (:mod:`.moe`), Gemma 2 and Gemma 3's text model (softcaps, (1 + w)
+norms, sandwich norms, scaled embeddings, Gemma 3's local RoPE), sliding windows where a layer has one
+(a mask over the blocks it reads: the pool keeps every position), tied or untied embeddings,
+grouped-query attention, and any RoPE variant whose frequencies do not depend on the sequence length;
+and Qwen2.5-VL, whose language model the engine holds this way while its vision tower runs as the HF
+module (:mod:`.vision`: image features in the prefill's embeddings, M-RoPE positions, decode at a
+per-row position offset).
 
 Shapes: B rows in the running batch, L cached positions, H hidden size, nh/nkv query/key-value heads,
 hd head dim, V vocabulary. With tensor-parallel generation (:mod:`.parallel`) nh, nkv, the MLP width and
@@ -22,18 +25,30 @@ attention), which keeps the engine's log-probs within ~1e-6 of the trainer's ful
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import threading
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hybridflow.workers.lora import hf_parameter_names, merged_hf_weights, unwrap_peft
-from hybridflow.workers.rollout.engine.attention import decode_attention, prefill_attention, span_hidden
-from hybridflow.workers.rollout.engine.moe import MOE_MODEL_TYPES, MoeSpec, MoeWeights, moe_mlp
+from hybridflow.workers.rollout.engine.attention import (
+    LayerAttention,
+    causal_attention,
+    decode_attention,
+    decode_masks,
+    prefill_attention,
+)
+from hybridflow.workers.rollout.engine.layout import (  # noqa: F401  (re-exported)
+    SUPPORTED_MODEL_TYPES,
+    LayerWeights,
+    ModelSpec,
+    engine_refusal,
+    gemma_rms_norm,
+    rms_norm,
+)
+from hybridflow.workers.rollout.engine.moe import moe_mlp
 from hybridflow.workers.rollout.engine.parallel import (
     SINGLE,
     GenerationShard,
@@ -42,172 +57,10 @@ from hybridflow.workers.rollout.engine.parallel import (
     take_shard,
 )
 from hybridflow.workers.rollout.engine.rope import apply_rope, rope_table, signed_sin  # noqa: F401  (re-exported)
-from hybridflow.workers.rollout.engine.vision import (
-    VisionTower,
-    is_vision_language,
-    language_config,
-    mrope_axes,
-    weight_prefix,
-)
+from hybridflow.workers.rollout.engine.vision import VisionTower, mrope_axes
 from hybridflow.workers.vision_forward import SUPPRESSED_LOGIT  # a placeholder's logit, as the actor's
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 _LAYER_NAME = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(.+)$")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Architecture facts the engine needs, read from an HF config."""
-
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rms_norm_eps: float
-    hidden_act: str
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-    tie_word_embeddings: bool
-    prefix: str = "model."  # where the decoder's parameters live (a vision-language model's language_model)
-    mrope_section: tuple[int, ...] | None = None  # a vision-language model's M-RoPE split of hd / 2
-    moe: MoeSpec | None = None  # a mixture of experts' layout (:mod:`.moe`); None: every MLP dense
-
-    @classmethod
-    def from_hf(cls, config, parameter_names: list[str]) -> ModelSpec:
-        """Read the architecture from ``config``; which biases exist from the parameter names (Qwen2
-        has q/k/v biases but none on o_proj, Llama's ``attention_bias`` puts one on all four). A
-        vision-language model (Qwen2.5-VL) is read from its ``text_config``, a Qwen2 language model."""
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        prefix = weight_prefix(config)
-        mrope = None
-        if is_vision_language(config):
-            config = language_config(config)
-            mrope = tuple(int(w) for w in config.rope_parameters["mrope_section"])
-        first = prefix + "layers.0."
-        layer0 = {name[len(first) :] for name in parameter_names if name.startswith(first)}
-        model_type = getattr(config, "model_type", None)
-        if mrope is not None:
-            model_type = "qwen2"  # Qwen2.5-VL's language model is Qwen2's decoder (q/k/v biases)
-        refusal = engine_refusal(dict(config.to_dict(), model_type=model_type))
-        if refusal:
-            raise NotImplementedError(refusal)
-        heads = int(config.num_attention_heads)
-        return cls(
-            num_layers=int(config.num_hidden_layers),
-            hidden_size=int(config.hidden_size),
-            num_heads=heads,
-            num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
-            intermediate_size=int(config.intermediate_size),
-            vocab_size=int(config.vocab_size),
-            rms_norm_eps=float(config.rms_norm_eps),
-            hidden_act=str(config.hidden_act),
-            qkv_bias="self_attn.q_proj.bias" in layer0,
-            o_bias="self_attn.o_proj.bias" in layer0,
-            mlp_bias="mlp.gate_proj.bias" in layer0,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            tie_word_embeddings=tied,
-            prefix=prefix,
-            mrope_section=mrope,
-            moe=MoeSpec.from_hf(config, model_type),
-        )
-
-    def sharded(self, size: int) -> ModelSpec:
-        """One rank's share of the layout when split ``size`` ways (heads, MLP width, vocabulary)."""
-        if size == 1:
-            return self
-        if self.moe is not None:
-            raise NotImplementedError(
-                "tensor-parallel generation of a mixture-of-experts model is not implemented (no expert "
-                "parallelism): set rollout.tensor_model_parallel_size=1"
-            )
-        split = ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size")
-        bad = [f"{k}={getattr(self, k)}" for k in split if getattr(self, k) % size]
-        if bad:
-            raise ValueError(f"rollout.tensor_model_parallel_size={size} does not divide {', '.join(bad)}")
-        return dataclasses.replace(self, **{k: getattr(self, k) // size for k in split})
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-
-class LayerWeights:
-    """One decoder layer in the generation layout (``F.linear`` weights are (out, in))."""
-
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, index: int = 0) -> None:
-        def empty(*shape):
-            return torch.empty(*shape, dtype=dtype, device=device)
-
-        # a sparse layer of a mixture of experts: its router and experts instead of the dense MLP
-        sparse = spec.moe is not None and spec.moe.sparse[index]
-        self.moe = MoeWeights(spec.moe, spec.hidden_size, dtype, device) if sparse else None
-
-        qkv_out = spec.q_size + 2 * spec.kv_size
-        self.input_norm = empty(spec.hidden_size)
-        self.qkv = empty(qkv_out, spec.hidden_size)
-        self.qkv_bias = empty(qkv_out) if spec.qkv_bias else None
-        self.q_norm = empty(spec.head_dim) if spec.qk_norm else None
-        self.k_norm = empty(spec.head_dim) if spec.qk_norm else None
-        self.o_proj = empty(spec.hidden_size, spec.q_size)
-        self.o_bias = empty(spec.hidden_size) if spec.o_bias else None
-        self.post_norm = empty(spec.hidden_size)
-        dense = not sparse
-        self.gate_up = empty(2 * spec.intermediate_size, spec.hidden_size) if dense else None
-        self.gate_up_bias = empty(2 * spec.intermediate_size) if spec.mlp_bias and dense else None
-        self.down = empty(spec.hidden_size, spec.intermediate_size) if dense else None
-        self.down_bias = empty(spec.hidden_size) if spec.mlp_bias and dense else None
-
-    def targets(self, spec: ModelSpec) -> dict[str, tuple[torch.Tensor, int, int]]:
-        """HF parameter suffix -> (engine tensor, first row, end row) it is copied into."""
-        q, kv, inter = spec.q_size, spec.kv_size, spec.intermediate_size
-        out = {
-            "input_layernorm.weight": (self.input_norm, 0, spec.hidden_size),
-            "self_attn.q_proj.weight": (self.qkv, 0, q),
-            "self_attn.k_proj.weight": (self.qkv, q, q + kv),
-            "self_attn.v_proj.weight": (self.qkv, q + kv, q + 2 * kv),
-            "self_attn.o_proj.weight": (self.o_proj, 0, spec.hidden_size),
-            "post_attention_layernorm.weight": (self.post_norm, 0, spec.hidden_size),
-        }
-        if self.moe is not None:
-            out.update(self.moe.targets())
-        else:
-            out["mlp.gate_proj.weight"] = (self.gate_up, 0, inter)
-            out["mlp.up_proj.weight"] = (self.gate_up, inter, 2 * inter)
-            out["mlp.down_proj.weight"] = (self.down, 0, spec.hidden_size)
-        if self.qkv_bias is not None:
-            out["self_attn.q_proj.bias"] = (self.qkv_bias, 0, q)
-            out["self_attn.k_proj.bias"] = (self.qkv_bias, q, q + kv)
-            out["self_attn.v_proj.bias"] = (self.qkv_bias, q + kv, q + 2 * kv)
-        if self.o_bias is not None:
-            out["self_attn.o_proj.bias"] = (self.o_bias, 0, spec.hidden_size)
-        if self.q_norm is not None:
-            out["self_attn.q_norm.weight"] = (self.q_norm, 0, spec.head_dim)
-            out["self_attn.k_norm.weight"] = (self.k_norm, 0, spec.head_dim)
-        if self.gate_up_bias is not None:
-            out["mlp.gate_proj.bias"] = (self.gate_up_bias, 0, inter)
-            out["mlp.up_proj.bias"] = (self.gate_up_bias, inter, 2 * inter)
-            out["mlp.down_proj.bias"] = (self.down_bias, 0, spec.hidden_size)
-        return out
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: normalise in fp32, cast back, then scale. fp32 on the CPU: torch's fused
-    ``rms_norm`` (one op instead of seven; the same bits, tests/workers/rollout/test_engine.py)."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu":
-        return torch.rms_norm(x, (x.shape[-1],), weight, eps)
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
 
 
 class EngineModel:
@@ -226,6 +79,7 @@ class EngineModel:
         device,
         shard: GenerationShard = SINGLE,
         hf_config=None,
+        local_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         self.full_spec, self.shard = spec, shard
         self.spec = spec.sharded(shard.size)
@@ -234,7 +88,18 @@ class EngineModel:
         self.rope_cos = rope_cos.to(device=device, dtype=dtype)  # (max_positions, hd)
         self.rope_sin = rope_sin.to(device=device, dtype=dtype)
         self.rope_sin_signed = signed_sin(self.rope_sin)  # what the forwards take (apply_rope)
+        # the RoPE tables the layers read, cos and signed sin (max_positions, hd): [global, local]
+        self.ropes = [(self.rope_cos, self.rope_sin_signed)]
+        if local_rope is not None:  # Gemma 3's sliding layers (LayerWeights.rope = 1)
+            cos, sin = (t.to(device=device, dtype=dtype) for t in local_rope)
+            self.ropes.append((cos, signed_sin(sin)))
         self.act = _activation(spec.hidden_act)
+        # HF's Gemma embedding: times sqrt(H) rounded to the weights' dtype (a 0-dim tensor, as HF's)
+        scale = torch.tensor(spec.hidden_size**0.5).to(dtype=dtype, device=device)
+        self.embed_scale = scale if spec.gemma else None
+        self.attention_options = [  # each layer's scale, softcap and sliding window (:mod:`.attention`)
+            LayerAttention(spec.attn_scale, spec.attn_softcap, spec.window(i)) for i in range(spec.num_layers)
+        ]
         # CPU: linear weights also kept in oneDNN's packed layout (what vLLM-CPU does; 2-3x the fp32
         # GEMM throughput of torch.mm at decode batch sizes), rebuilt after any weight changes
         self.pack_weights = packing_available(self.device, dtype)
@@ -302,9 +167,11 @@ class EngineModel:
         module counts as its base model."""
         config = unwrap_peft(module).config
         spec = ModelSpec.from_hf(config, hf_parameter_names(module))
-        cos, sin = rope_table(unwrap_peft(module), max_positions)
+        base = unwrap_peft(module)
+        cos, sin = rope_table(base, max_positions, "full_attention" if spec.local_rope else None)
+        local = rope_table(base, max_positions, "sliding_attention") if spec.local_rope else None
         device = device or _module_device(module)
-        return cls(spec, cos, sin, dtype or torch.float32, device, shard, hf_config=config)
+        return cls(spec, cos, sin, dtype or torch.float32, device, shard, hf_config=config, local_rope=local)
 
     @classmethod
     def from_hf_module(
@@ -425,31 +292,34 @@ class EngineModel:
         it is not ``lengths`` (an image prompt's row: ``lengths + rope_delta``, :mod:`.vision`).
         ``attention`` (:mod:`.attention`): ``"kernel"`` reads each row's valid keys in place (CPU);
         ``"gather"`` reads the first ``span`` positions of each row's table (``span``: at least
-        ``max(lengths) + 1``; None reads it from ``lengths``, which waits for the device). ``record``:
+        ``max(lengths) + 1``; None reads it from ``lengths``, which waits for the device); a layer with a
+        sliding window reads only its window's keys either way (:attr:`attention_options`). ``record``:
         a list that gets each sparse layer's expert ids (B, k) (:mod:`.routing`)."""
         spec = self.spec
         batch = tokens.shape[0]
-        hidden = None
         if attention == "gather":
             if span is None:
                 span = int(lengths.max()) + 1
             span = -(-span // cache.block_size) * cache.block_size
-            hidden = span_hidden(lengths, span)  # the rows' masks once for every layer
         elif attention == "kernel":
-            hidden = (lengths + 1).contiguous()  # the keys each row reads, once for every layer
             table = table.contiguous()
+        # the rows' masks (gather) or key ranges (kernel) once per step for every window in use
+        windows = {options.window for options in self.attention_options}
+        masks = {w: decode_masks(lengths, attention, span, w) for w in windows}
         slots = cache.slots(table, lengths)  # (B,) where each row's new K/V go
         at = lengths if rope_positions is None else rope_positions
-        cos = self.rope_cos[at][:, None, None, :]  # (B, 1, 1, hd): one query, every head
-        sin = self.rope_sin_signed[at][:, None, None, :]
+        # (B, 1, 1, hd) per table: one query, every head
+        ropes = [(cos[at][:, None, None, :], sin[at][:, None, None, :]) for cos, sin in self.ropes]
         x = self._embed(tokens)  # (B, H)
         for index, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, rms_norm(x, layer.input_norm, spec.rms_norm_eps), cos, sin)
+            q, k, v = self._qkv(layer, self.norm(x, layer.input_norm), *ropes[layer.rope])
             cache.write(index, slots, k[:, :, 0], v[:, :, 0])
             keys, values = cache.layers[index]
-            attn = decode_attention(q, keys, values, table, lengths, attention, span, hidden)
+            options = self.attention_options[index]
+            hidden = masks[options.window]
+            attn = decode_attention(q, keys, values, table, lengths, attention, span, hidden, options)
             x = self._finish_layer(layer, x, attn.reshape(batch, spec.q_size), record)
-        return self._logits(rms_norm(x, self.final_norm, spec.rms_norm_eps))
+        return self._logits(self.norm(x, self.final_norm))
 
     def prefill(
         self,
@@ -477,29 +347,49 @@ class EngineModel:
         starts_t = torch.tensor(starts, device=device)
         positions = starts_t[:, None] + offsets[None, :]  # (P, T)
         if rope is not None:
-            cos, sin = rope
+            ropes = [rope]
         elif max(starts) == 0:
-            cos, sin = self.rope_at(width)  # (1, T, 1, hd)
-        else:
-            cos = self.rope_cos[positions][:, :, None, :]  # (P, T, 1, hd)
-            sin = self.rope_sin_signed[positions][:, :, None, :]
+            ropes = [self.rope_at(width, i) for i in range(len(self.ropes))]  # (1, T, 1, hd) each
+        else:  # (P, T, 1, hd) each
+            ropes = [(c[positions][:, :, None, :], s[positions][:, :, None, :]) for c, s in self.ropes]
         valid = offsets[None, :] < lengths[:, None]  # (P, T): real new tokens
         blocks = table.gather(1, (positions // cache.block_size).clamp(max=table.shape[1] - 1))
         slots = (blocks * cache.block_size + positions % cache.block_size)[valid]  # (N,)
         x = self._embed(tokens) if embeds is None else embeds  # (P, T, H)
         for index, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, rms_norm(x, layer.input_norm, spec.rms_norm_eps), cos, sin)
+            q, k, v = self._qkv(layer, self.norm(x, layer.input_norm), *ropes[layer.rope])
             cache.write(index, slots, k.transpose(1, 2)[valid], v.transpose(1, 2)[valid])
             keys, values = cache.layers[index]
-            attn = prefill_attention(q, k, v, keys, values, table, starts_t, max(starts))  # (P, nh, T, hd)
+            options = self.attention_options[index]
+            # (P, nh, T, hd)
+            attn = prefill_attention(q, k, v, keys, values, table, starts_t, max(starts), options)
             x = self._finish_layer(layer, x, attn.transpose(1, 2).reshape(n_rows, width, spec.q_size), record)
         last = x[torch.arange(n_rows, device=device), lengths - 1]  # (P, H)
-        return self._logits(rms_norm(last, self.final_norm, spec.rms_norm_eps))
+        return self._logits(self.norm(last, self.final_norm))
 
-    def rope_at(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin (1, T, 1, hd) of positions ``0..width-1`` (a prefill's), as
-        :meth:`_qkv` takes them."""
-        return self.rope_cos[:width][None, :, None, :], self.rope_sin_signed[:width][None, :, None, :]
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The final-norm hidden states (P, T, H) of right-padded ``tokens`` (P, T): the prefill's layers
+        without a cache (causal attention over the tokens alone, :func:`.attention.causal_attention`)."""
+        n_rows, width = tokens.shape
+        ropes = [self.rope_at(width, i) for i in range(len(self.ropes))]  # (1, T, 1, hd) each
+        x = self._embed(tokens)  # (P, T, H)
+        for index, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, self.norm(x, layer.input_norm), *ropes[layer.rope])
+            attn = causal_attention(q, k, v, self.attention_options[index])  # (P, nh, T, hd)
+            x = self._finish_layer(layer, x, attn.transpose(1, 2).reshape(n_rows, width, self.spec.q_size))
+        return self.norm(x, self.final_norm)
+
+    def rope_at(self, width: int, table: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin (1, T, 1, hd) of positions ``0..width-1`` (a prefill's) from RoPE table
+        ``table`` (0 global, 1 Gemma 3's local), as :meth:`_qkv` takes them."""
+        cos, sin = self.ropes[table]
+        return cos[:width][None, :, None, :], sin[:width][None, :, None, :]
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The family's RMSNorm of x (..., H) with weight (H,) (Gemma's ``1 + w``: :mod:`.layout`)."""
+        if self.spec.gemma:
+            return gemma_rms_norm(x, weight, self.spec.rms_norm_eps)
+        return rms_norm(x, weight, self.spec.rms_norm_eps)
 
     def _qkv(self, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """h (..., H) → q (N, nh, T, hd), k and v (N, nkv, T, hd) with RoPE applied (T = 1 in decode).
@@ -517,8 +407,8 @@ class EngineModel:
         else:
             q = qkv[..., :q_end].view(n, width, spec.num_heads, spec.head_dim)
             k = qkv[..., q_end:k_end].view(n, width, spec.num_kv_heads, spec.head_dim)
-            q = apply_rope(rms_norm(q, layer.q_norm, spec.rms_norm_eps), cos, sin)
-            k = apply_rope(rms_norm(k, layer.k_norm, spec.rms_norm_eps), cos, sin)
+            q = apply_rope(self.norm(q, layer.q_norm), cos, sin)
+            k = apply_rope(self.norm(k, layer.k_norm), cos, sin)
         v = qkv[..., k_end:].view(n, width, spec.num_kv_heads, spec.head_dim)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
@@ -526,16 +416,16 @@ class EngineModel:
         self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor, record=None
     ) -> torch.Tensor:
         """Attention output projection, residual, then the gated MLP and its residual (``record``: a list
-        that gets a sparse layer's expert ids, :mod:`.routing`)."""
-        spec = self.spec
-        x = x + self._row_parallel(attn, layer.o_proj, layer.o_bias)
+        that gets a sparse layer's expert ids, :mod:`.routing`). A Gemma layer normalises the attention's
+        and the MLP's outputs before their residuals (``attn_out_norm``, ``mlp_out_norm``)."""
+        out = self._row_parallel(attn, layer.o_proj, layer.o_bias)
+        x = x + (out if layer.attn_out_norm is None else self.norm(out, layer.attn_out_norm))
+        normed = self.norm(x, layer.post_norm)
         if layer.moe is not None:  # a mixture of experts' sparse layer (.moe)
-            normed = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
             return x + moe_mlp(normed, layer.moe, self.act, record)
-        gate, up = self._linear(
-            rms_norm(x, layer.post_norm, spec.rms_norm_eps), layer.gate_up, layer.gate_up_bias
-        ).chunk(2, dim=-1)
-        return x + self._row_parallel(self.act(gate) * up, layer.down, layer.down_bias)
+        gate, up = self._linear(normed, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+        out = self._row_parallel(self.act(gate) * up, layer.down, layer.down_bias)
+        return x + (out if layer.mlp_out_norm is None else self.norm(out, layer.mlp_out_norm))
 
     def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ weight.T + bias`` where x and weight hold this rank's share of the inner dimension:
@@ -549,33 +439,26 @@ class EngineModel:
         """Embeddings (..., H) of full-vocabulary ``tokens`` (...): with a vocabulary slice per rank,
         each looks up its own tokens (zeros for the rest) and the group sums."""
         if not self.shard.parallel:
-            return self.embed[tokens]
-        local = tokens - self.shard.rank * self.spec.vocab_size
-        mine = (local >= 0) & (local < self.spec.vocab_size)
-        x = self.embed[local.clamp(0, self.spec.vocab_size - 1)] * mine.unsqueeze(-1).to(self.dtype)
-        return sum_over_group(x, self.shard)
+            x = self.embed[tokens]
+        else:
+            local = tokens - self.shard.rank * self.spec.vocab_size
+            mine = (local >= 0) & (local < self.spec.vocab_size)
+            x = self.embed[local.clamp(0, self.spec.vocab_size - 1)] * mine.unsqueeze(-1).to(self.dtype)
+            x = sum_over_group(x, self.shard)
+        return x if self.embed_scale is None else x * self.embed_scale
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits (..., V) over the whole vocabulary (gathered from the ranks' slices); a
         vision-language model's image/video placeholders at :data:`SUPPRESSED_LOGIT` (never sampled,
         as the actor's log-probs exclude them: :mod:`hybridflow.workers.vision_forward`)."""
-        logits = gather_last_dim(self._linear(h, self.lm_head).float(), self.shard)
+        logits = self._linear(h, self.lm_head)
+        cap = self.spec.final_softcap
+        if cap is not None:  # HF's final logit softcap, in the model's dtype
+            logits = torch.tanh(logits / cap) * cap
+        logits = gather_last_dim(logits.float(), self.shard)
         if self.suppressed is not None:
             logits.index_fill_(-1, self.suppressed, SUPPRESSED_LOGIT)
         return logits
-
-
-def engine_refusal(config: dict) -> str | None:
-    """Why the engine cannot serve a decoder of HF ``config`` (a ``config.json`` dict; a vision-language
-    model's text part), or None. Read before Ray starts (the config check) and by :class:`ModelSpec`."""
-    model_type = config.get("model_type")
-    where = "docs/model_support.md lists each family's backends; use actor_rollout_ref.rollout.name=hf"
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        return f"the embedded engine serves {SUPPORTED_MODEL_TYPES}, not model_type={model_type!r} ({where})"
-    windowed = model_type in ("mistral", "mixtral") and config.get("sliding_window")
-    if config.get("use_sliding_window") or windowed:
-        return f"the embedded engine has no sliding-window attention ({model_type}; {where})"
-    return None
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -29,6 +29,11 @@ once, with the reason, in ``KERNEL_ERROR``), or with ``HYBRIDFLOW_PAGED_KERNEL=0
 gathers the span with torch (:func:`.attention.gathered_decode_attention`), slower but the same math.
 
 Keys and values are fp32 or bf16 (``uint16``, widened exactly); queries and the output are fp32.
+
+A sliding window (Mistral, Gemma) passes each row's first key (``starts``, (B,)): the row reads keys
+``starts[b] .. lengths[b]`` only, its first block from the window's offset in it, with the same rounding
+(NULL: from 0, as before). A logit softcap (Gemma 2) maps the scaled scores to ``cap * tanh(s / cap)``
+before the softmax (0: none). Neither touches the dot-product or accumulation loops.
 """
 
 from __future__ import annotations
@@ -130,7 +135,8 @@ static inline void NAME##_accumulate(float* part, float w, const T* v, int64_t h
 }                                                                                                      \
 void NAME(const float* q, const T* kpool, const T* vpool, const int64_t* table, const int64_t* lengths, \
           float* out, int64_t B, int64_t nh, int64_t nkv, int64_t hd, int64_t num_blocks, int64_t bs,  \
-          int64_t width, float scale, int64_t max_len, int64_t threads) {                              \
+          int64_t width, float scale, int64_t max_len, int64_t threads, const int64_t* starts,         \
+          float softcap) {                                                                             \
     const int64_t g = nh / nkv;                                                                        \
     _Pragma("omp parallel num_threads(threads)")                                                       \
     {                                                                                                  \
@@ -140,44 +146,39 @@ void NAME(const float* q, const T* kpool, const T* vpool, const int64_t* table, 
         _Pragma("omp for schedule(static)")                                                            \
         for (int64_t item = 0; item < B * nkv; item++) {                                               \
             const int64_t b = item / nkv, h = item % nkv, len = lengths[b];                            \
+            /* a sliding window: the row's keys lo..len-1 (lo = 0 without one); cnt of them */         \
+            const int64_t lo = starts ? starts[b] : 0, cnt = len - lo;                                 \
             const float* qb = q + (b * nh + h * g) * hd;                                               \
             const int64_t* row = table + b * width;                                                    \
-            for (int64_t first = 0; first < len; first += bs) {                                        \
-                const T* kb = kpool + (h * num_blocks + row[first / bs]) * bs * hd;                    \
-                const int64_t n = first + bs < len ? bs : len - first;                                 \
-                /* blocks are pages apart, where hardware prefetchers stop: fetch the next keys and   \
-                   this block's values (read after the softmax, from L2) ahead */                      \
-                const char* vb = (const char*)(vpool + (h * num_blocks + row[first / bs]) * bs * hd);  \
-                for (int64_t at = 0; at < n * hd * (int64_t)sizeof(T); at += 64)                       \
-                    __builtin_prefetch(vb + at, 0, 2);                                                 \
-                if (first + bs < len) {                                                                \
-                    const int64_t next = first + bs + bs < len ? bs : len - first - bs;                \
-                    const T* knext = kpool + (h * num_blocks + row[first / bs + 1]) * bs * hd;         \
-                    const char* kn = (const char*)knext;                                               \
-                    for (int64_t at = 0; at < next * hd * (int64_t)sizeof(T); at += 64)                \
-                        __builtin_prefetch(kn + at, 0, 3);                                             \
-                }                                                                                      \
+            for (int64_t first = lo, n = 0; first < len; first += n) {  /* n: keys in first's block */ \
+                const int64_t off = first % bs;                                                        \
+                const T* kb = kpool + ((h * num_blocks + row[first / bs]) * bs + off) * hd;            \
+                n = first - off + bs < len ? bs - off : len - first;                                   \
                 for (int64_t j = 0; j < g; j++)                                                        \
-                    NAME##_scores(qb + j * hd, kb, n, hd, scale, scores + j * len + first);            \
+                    NAME##_scores(qb + j * hd, kb, n, hd, scale, scores + j * cnt + first - lo);       \
             }                                                                                          \
+            if (softcap > 0)  /* cap * tanh(s / cap) before the softmax (Gemma 2) */                   \
+                for (int64_t t = 0; t < g * cnt; t++) scores[t] = tanhf(scores[t] / softcap) * softcap; \
             for (int64_t j = 0; j < g; j++) {  /* softmax: fp32 exps, their sum in fp64 */             \
-                float* sc = scores + j * len;                                                          \
+                float* sc = scores + j * cnt;                                                          \
                 float m = -INFINITY;                                                                   \
-                for (int64_t t = 0; t < len; t++) m = sc[t] > m ? sc[t] : m;                           \
-                for (int64_t t = 0; t < len; t++) sc[t] = expf(sc[t] - m);                             \
+                for (int64_t t = 0; t < cnt; t++) m = sc[t] > m ? sc[t] : m;                           \
+                for (int64_t t = 0; t < cnt; t++) sc[t] = expf(sc[t] - m);                             \
                 double sum = 0.0;                                                                      \
-                for (int64_t t = 0; t < len; t++) sum += sc[t];                                        \
+                for (int64_t t = 0; t < cnt; t++) sum += sc[t];                                        \
                 const float inv = (float)(1.0 / sum);                                                  \
-                for (int64_t t = 0; t < len; t++) sc[t] *= inv;                                        \
+                for (int64_t t = 0; t < cnt; t++) sc[t] *= inv;                                        \
             }                                                                                          \
             memset(acc_out, 0, sizeof(double) * g * hd);                                               \
-            for (int64_t first = 0; first < len; first += bs) {  /* a block's sum in fp32, then fp64 */ \
-                const T* vb = vpool + (h * num_blocks + row[first / bs]) * bs * hd;                    \
-                const int64_t n = first + bs < len ? bs : len - first;                                 \
+            for (int64_t first = lo, n = 0; first < len; first += n) {  /* a block's sum: fp32, fp64 */\
+                const int64_t off = first % bs;                                                        \
+                const T* vb = vpool + ((h * num_blocks + row[first / bs]) * bs + off) * hd;            \
+                n = first - off + bs < len ? bs - off : len - first;                                   \
                 memset(part, 0, sizeof(float) * g * hd);                                               \
+                const float* sc0 = scores + first - lo;  /* the block's first weight */                \
                 for (int64_t t = 0; t < n; t++)                                                        \
                     for (int64_t j = 0; j < g; j++)                                                    \
-                        NAME##_accumulate(part + j * hd, scores[j * len + first + t], vb + t * hd, hd); \
+                        NAME##_accumulate(part + j * hd, sc0[j * cnt + t], vb + t * hd, hd);           \
                 for (int64_t i = 0; i < g * hd; i++) acc_out[i] += part[i];                            \
             }                                                                                          \
             for (int64_t j = 0; j < g; j++)                                                            \
@@ -235,7 +236,8 @@ def _build() -> ctypes.CDLL:
     for name in ("paged_decode_f32", "paged_decode_bf16"):
         function = getattr(library, name)
         function.restype = None
-        function.argtypes = [pointer] * 6 + [integer] * 7 + [ctypes.c_float, integer, integer]
+        function.argtypes = [pointer] * 6 + [integer] * 7 + [ctypes.c_float, integer, integer, pointer]
+        function.argtypes += [ctypes.c_float]
     return library
 
 
@@ -270,11 +272,16 @@ def paged_decode(
     table: torch.Tensor,
     lengths: torch.Tensor,
     counts: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q (B, nh, 1, hd); keys, values (nkv, num_blocks, block_size, hd) (the pool of one layer);
     table (B, W) int64 block ids; lengths (B,) int64: row b attends to its positions ``0..lengths[b]``
     (``lengths[b] + 1`` keys, within its table; ``counts``: those counts, contiguous, with ``table``
-    contiguous too) → (B, nh, 1, hd) in q's dtype."""
+    contiguous too) → (B, nh, 1, hd) in q's dtype. ``starts`` (B,) int64 contiguous: each row's first
+    key instead of 0 (a sliding window: ``max(0, lengths + 1 - window)``); ``scale``: the scores'
+    (default hd ** -0.5); ``softcap``: scores ``cap * tanh(s / cap)`` before the softmax."""
     batch, num_heads, _, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = keys.shape
     query = q.reshape(batch, num_heads, head_dim).float().contiguous()
@@ -298,8 +305,10 @@ def paged_decode(
         num_blocks,
         block_size,
         table.shape[1],
-        head_dim**-0.5,
+        head_dim**-0.5 if scale is None else scale,
         table.shape[1] * block_size,
         torch.get_num_threads(),
+        None if starts is None else starts.data_ptr(),
+        softcap or 0.0,
     )
     return out.view(batch, num_heads, 1, head_dim).to(q.dtype)

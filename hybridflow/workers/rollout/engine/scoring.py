@@ -21,9 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from hybridflow.workers.rollout.engine.model import EngineModel, rms_norm
+from hybridflow.workers.rollout.engine.model import EngineModel
 
 # positions projected to the vocabulary at once: (chunk, V) fp32 logits (49k vocabulary: ~50 MB)
 LOGIT_CHUNK = 256
@@ -57,16 +56,9 @@ def check_scoring_request(ids: list[int], start: int, k: int, vocab: int, max_le
 @torch.no_grad()
 def hidden_states(model: EngineModel, tokens: torch.Tensor) -> torch.Tensor:
     """The final-norm hidden states (P, T, H) of right-padded ``tokens`` (P, T): the engine's prefill
-    forward without writing a cache (right padding never reaches a real position under the causal mask)."""
-    spec = model.spec
-    n_rows, width = tokens.shape
-    cos, sin = model.rope_at(width)  # (1, T, 1, hd)
-    x = model._embed(tokens)  # (P, T, H)
-    for layer in model.layers:
-        q, k, v = model._qkv(layer, rms_norm(x, layer.input_norm, spec.rms_norm_eps), cos, sin)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (P, nh, T, hd)
-        x = model._finish_layer(layer, x, attn.transpose(1, 2).reshape(n_rows, width, spec.q_size))
-    return rms_norm(x, model.final_norm, spec.rms_norm_eps)
+    forward without writing a cache (right padding never reaches a real position under the causal mask;
+    :meth:`EngineModel.hidden_states`)."""
+    return model.hidden_states(tokens)
 
 
 @torch.no_grad()
