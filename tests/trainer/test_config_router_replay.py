@@ -1,6 +1,7 @@
 """verl's router-replay keys before Ray starts (issue 48 item 3): R3 and R2 on an MoE model pass; replay on a
-dense model, the file keys, R3 without the rollout recording, recording outside the engine's sync rollout,
-R2 on the reference and Ulysses with replay are each refused with one line saying why."""
+dense model, the file keys, R3 without the rollout recording, recording outside the engine (vLLM, HF),
+R2 on the reference and Ulysses with R2 are each refused with one line saying why. R3 runs in the sync
+rollout, in server mode (``rollout.mode=async``) and in ``fully_async_main``."""
 
 import pytest
 
@@ -44,8 +45,10 @@ def test_verl_keys_have_verl_defaults(base_overrides):
         [*R3, f"{ARR}.rollout.multi_turn.enable=true"],
         [*R3, f"{ARR}.actor.ulysses_sequence_parallel_size=2"],
         [f"{ARR}.actor.router_replay.mode=R2"],
+        [*R3, f"{ARR}.rollout.mode=async"],
+        [*R3, f"{ARR}.rollout.mode=async", f"{ARR}.rollout.multi_turn.enable=true"],
     ],
-    ids=["R3", "R3_ref", "R3_multi_turn", "R3_ulysses", "R2"],
+    ids=["R3", "R3_ref", "R3_multi_turn", "R3_ulysses", "R2", "R3_server_mode", "R3_server_tool_agent"],
 )
 def test_replay_on_an_moe_model_passes(moe_overrides, extra):
     validate_config(load_config([*moe_overrides, *extra]))
@@ -82,10 +85,6 @@ def test_replay_on_a_dense_model_is_refused(base_overrides, extra):
         ),
         ([*R3, f"{ARR}.rollout.name=hf"], "rollout.name=hf does not record routing here"),
         (
-            [*R3, f"{ARR}.rollout.mode=async"],
-            "only the sync rollout (single-turn or multi_turn) carries routed_experts",
-        ),
-        (
             [f"{ARR}.actor.router_replay.mode=R2", f"{ARR}.actor.ulysses_sequence_parallel_size=2"],
             "recording under Ulysses sequence parallelism is not built",
         ),
@@ -98,9 +97,20 @@ def test_replay_on_a_dense_model_is_refused(base_overrides, extra):
         "ref_r2",
         "r2_recording",
         "hf",
-        "async",
         "ulysses",
     ],  # fmt: skip
 )
 def test_what_does_not_run_is_refused_with_the_reason(moe_overrides, extra, message):
     assert message in _problems([*moe_overrides, *extra])
+
+
+def test_r3_on_an_moe_model_passes_fully_async_main(moe_overrides, vllm_model_dir, arithmetic_data):
+    """``fully_async_main``'s own checks, then its PPO view's (rollout.mode=async), accept R3."""
+    from hybridflow.trainer.fully_async.main import check_config
+    from tests.tiny_run import tiny_run_values
+
+    values = tiny_run_values(vllm_model_dir, arithmetic_data, **{"trainer.n_gpus_per_node": 1})
+    values[f"{ARR}.model.path"] = moe_overrides[-1].split("=", 1)[1]
+    overrides = [f"{k}={v}" for k, v in values.items()]
+    view = check_config(load_config([*overrides, *R3], config_name="fully_async_ppo_trainer"))
+    assert view.actor_rollout_ref.rollout.enable_rollout_routing_replay is True

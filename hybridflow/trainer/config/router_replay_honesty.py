@@ -3,17 +3,19 @@
 
 What runs (:mod:`hybridflow.workers.router_replay`, :mod:`hybridflow.workers.rollout.engine.routing`):
 ``mode: R3`` on the actor (old log-probs and update replay the rollout's ``routed_experts``) and on the
-reference, ``mode: R2`` on the actor, the embedded engine recording in the sync rollout (single-turn
-and ``multi_turn``), on the MoE
-families transformers routes with a ``*TopKRouter`` (Qwen2-MoE, Qwen3-MoE, Mixtral). What does not is
-refused with the reason:
+reference, ``mode: R2`` on the actor, the engine recording in the sync rollout (single-turn and
+``multi_turn``), in server mode (``rollout.mode=async``: the replicas' answers carry each request's ids,
+the agent loops keep them, :mod:`hybridflow.workers.rollout.agent_loop.worker` lays them out) and in
+``fully_async_main`` (its samples carry them into the trainer's batch; a sample resumed after a partial
+rollout's abort takes the resumed request's record, which covers the whole sample: the engine prefills
+prompt + partial response again while it records), on the MoE families transformers routes with a
+``*TopKRouter`` (Qwen2-MoE, Qwen3-MoE, Mixtral). What does not is refused with the reason:
 
 - ``record_file`` / ``replay_file``: the routing travels in the batch (``routed_experts``), never
   through a file (verl declares both keys; its FSDP and Megatron workers do not read them either);
 - replay on a dense model (no router to replay), or on an MoE type without that router;
 - ``R3`` without ``rollout.enable_rollout_routing_replay`` (nothing records the ids), recording on
-  another rollout than the engine, or in server mode (``rollout.mode=async``: the agent loops on
-  generation servers, fully async), whose outputs do not carry the ids yet;
+  another rollout than the engine (vLLM, HF: they hand back no expert ids here);
 - ``R2`` on the reference: R2 records in the actor's old-log-prob pass, which the reference's runs
   beside, not before; ``R2`` with the rollout recording (the update would replay the rollout's ids
   wherever the old-log-prob pass is skipped);
@@ -105,12 +107,6 @@ def router_replay_problems(config: DictConfig) -> list[str]:
             problems.append(
                 f"rollout.enable_rollout_routing_replay=true: rollout.name={rollout.name} does not record "
                 "routing here; use rollout.name=engine"
-            )
-        if rollout.get("mode", "sync") != "sync":
-            problems.append(
-                f"rollout.enable_rollout_routing_replay=true: rollout.mode={rollout.mode}: only the sync "
-                "rollout (single-turn or multi_turn) carries routed_experts; the agent loops on generation "
-                "servers and fully async do not yet"
             )
     if modes.get("actor") == "R2" and sp_size(config, "actor_rollout_ref.actor") > 1:
         problems.append(

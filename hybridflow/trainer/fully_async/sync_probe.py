@@ -14,7 +14,9 @@ actor recompute those tokens' log-probs with the weights it just sent, and stops
 naming the replica and the version. The limit is the synchronous trainer's (1e-2 when rollout and actor
 compute in fp32, 1.0 otherwise; ``rollout.log_prob_gap_limit`` overrides, a negative value turns the
 probe off, as does greedy sampling at a temperature other than 1, whose log-probs are not comparable).
-The probe costs one short request per replica and one small forward pass of the actor per sync.
+The probe costs one short request per replica and one small forward pass of the actor per sync. With
+router replay R3 the answers carry their ``routed_experts`` and the recompute replays them, as the
+training batches' do.
 """
 
 from __future__ import annotations
@@ -116,5 +118,12 @@ class SyncProbe:
         from hybridflow.workers.rollout.base import assemble_output
 
         batch = assemble_output(prompts, responses, [], self.pad_id, None, present, present)
+        routed = [getattr(answer, "routed_experts", None) for answer in answers]
+        if any(ids is not None for ids in routed):  # router replay R3: the actor replays the probe's ids
+            from hybridflow.workers.rollout.engine.routing import routed_experts_rows
+
+            batch.batch[keys.ROUTED_EXPERTS] = routed_experts_rows(
+                torch.ones_like(prompt), routed, self.tokens
+            )
         batch.meta_info[AUTO_PADDING_KEY] = True  # one row per replica need not divide the actor's ranks
         return self.actor.compute_log_prob(batch).batch[keys.OLD_LOG_PROBS][:rows].cpu()

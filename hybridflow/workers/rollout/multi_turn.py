@@ -287,7 +287,8 @@ class ToolAgentLoop:
             else:
                 result = await self.engine.generate(ids, turn_params)
             turn = result.completions[0]
-            conv.routed_experts = turn.routed_experts  # the engine recomputes every turn (no prefix cache)
+            if turn.routed_experts is not None:  # the engine recomputes every turn (no prefix cache)
+                conv.routed_experts = turn.routed_experts  # (an aborted turn that fed nothing has none)
             if not resuming:
                 conv.turn_start = len(conv.response_ids)
                 conv.assistant_turns += 1

@@ -17,6 +17,10 @@ dies is failed by its manager (:meth:`LLMServer.fail`): every waiting request ra
 marks it lost instead (:meth:`LLMServer.lose`): the waiting requests raise :class:`ReplicaLost`, which the
 agent loops' server manager answers by sending them to another replica, and the server takes requests
 again once a new engine serves it (:meth:`LLMServer.recover`).
+
+Router replay R3: an engine that records routing (``rollout.enable_rollout_routing_replay``) hands each
+request's expert ids (prompt + generated tokens, :mod:`.engine.routing`) back in
+``TokenOutput.routed_experts``.
 """
 
 from __future__ import annotations
@@ -55,6 +59,9 @@ class TokenOutput(BaseModel):
     stop_reason: str | None = None  # "completed" (stop token), "length", "aborted"
     num_preempted: int | None = None
     weight_version: int | None = None  # the replica's weights when the request finished
+    # router replay R3 (engine/routing.py): (prompt + generated tokens, L sparse layers, k) expert ids,
+    # a torch tensor of small ints, when the engine records routing (else None)
+    routed_experts: Any | None = None
 
 
 class ReplicaError(RuntimeError):
@@ -193,6 +200,7 @@ class LLMServer:
                 log_probs=None if output["request_id"] in self._no_log_probs else output["log_probs"],
                 stop_reason=STOP_REASONS.get(output["finish_reason"], output["finish_reason"]),
                 weight_version=output.get("weight_version"),
+                routed_experts=output.get("routed_experts"),
             )
         )
 
@@ -371,4 +379,6 @@ def _output(result, weight_version: int) -> dict:
         "log_probs": [float(x) for x in completion.log_probs],
         "finish_reason": completion.finish_reason,
         "weight_version": weight_version,
+        # router replay R3: the request's prompt + generated tokens' expert ids (engine recording them)
+        "routed_experts": getattr(completion, "routed_experts", None),
     }

@@ -65,8 +65,6 @@ C = "algorithm.rollout_correction."
 R = "actor_rollout_ref.rollout."
 CE = "async_training.checkpoint_engine."
 REFUSED = [
-    # router replay R3: only the sync rollout records the experts (router_replay_honesty.py)
-    ({R + "enable_rollout_routing_replay": True}, r"rollout\.enable_rollout_routing_replay"),
     ({R + "trace.backend": "jsonl"}, r"rollout trace is not wired into fully_async_main"),
     ({R + "trace.token2text": True}, r"trace\.token2text=True: the rollout trace is not wired"),
     ({R + "trace.max_samples_per_step_per_worker": 2}, r"trace\.max_samples_per_step_per_worker=2"),
@@ -460,6 +458,10 @@ SHOWN = {
     "async_training.partial_rollout": E2E + "test_stale_partial_rollouts_with_token_is",
     R + "max_replica_restarts": E2E
     + "test_a_killed_rollout_replica_is_replaced_and_every_prompt_is_trained_once",
+    # router replay R3: the replicas record, the samples carry routed_experts into the trainer's batch
+    # (on an MoE model; the tiny dense model here is refused: router_replay_honesty.py)
+    R + "enable_rollout_routing_replay": "tests/workers/rollout/test_server_routed_experts.py::"
+    "test_fully_async_groups_carry_routed_experts_into_the_trainers_batch",
     # image rows (a vision-language model: refused with rollout.mode=async, vision_honesty.py)
     R + "limit_images": "tests/vlm/test_vlm_data.py::test_per_image_pixel_bounds_and_limit_images",
 }

@@ -3,7 +3,9 @@ Ray with the embedded engine recording each token's experts (``rollout.enable_ro
 actor's old-log-prob pass and its update (two mini-batches a step) and the reference
 (``ref.router_replay.mode=R3``) replaying them. Every forward that replays needs ``routed_experts`` in its
 batch (it raises without), so finishing both steps is the check that the ids travelled; the losses are
-finite and the rollout's log-probs stay at the fp32 engine's parity with the replaying actor."""
+finite and the rollout's log-probs stay at the fp32 engine's parity with the replaying actor. Both in the sync
+rollout and in server mode (``rollout.mode=async``: the replicas' answers carry the ids, the agent loops'
+worker lays them out)."""
 
 import json
 import math
@@ -32,8 +34,9 @@ def moe_model_dir(tmp_path_factory):
 
 
 @pytest.mark.slow  # a whole run on Ray; its parts: tests/workers/test_router_replay.py and the engine's
+@pytest.mark.parametrize("mode", ["sync", "async"])  # async: agent loops on server replicas (server mode)
 def test_qwen3_moe_trains_two_grpo_steps_with_r3(
-    ray_session, moe_model_dir, arithmetic_data, tmp_path, monkeypatch
+    ray_session, moe_model_dir, arithmetic_data, tmp_path, monkeypatch, mode
 ):
     monkeypatch.chdir(tmp_path)
     values = tiny_run_values(
@@ -42,6 +45,7 @@ def test_qwen3_moe_trains_two_grpo_steps_with_r3(
         **{
             "algorithm.adv_estimator": "grpo",
             "actor_rollout_ref.rollout.name": "engine",
+            "actor_rollout_ref.rollout.mode": mode,
             "actor_rollout_ref.rollout.enable_rollout_routing_replay": True,
             "actor_rollout_ref.actor.router_replay.mode": "R3",
             "actor_rollout_ref.ref.router_replay.mode": "R3",

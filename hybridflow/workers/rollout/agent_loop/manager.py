@@ -385,3 +385,7 @@ def left_pad_prompts(data: DataProto, width: int, pad_id: int = 0) -> None:
         fill = pad_id if key in (keys.PROMPTS, keys.INPUT_IDS) else 0
         pad = torch.full((rows, extra), fill, dtype=tensor.dtype, device=tensor.device)
         data.batch[key] = torch.cat([pad, tensor], dim=1)
+    if keys.ROUTED_EXPERTS in data.batch.keys():  # router replay R3: (B, T, L, k), 0 on the new padding
+        routed = data.batch[keys.ROUTED_EXPERTS]
+        pad = torch.zeros(rows, extra, *routed.shape[2:], dtype=routed.dtype, device=routed.device)
+        data.batch[keys.ROUTED_EXPERTS] = torch.cat([pad, routed], dim=1)

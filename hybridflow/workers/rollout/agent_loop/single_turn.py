@@ -9,6 +9,12 @@ uninterrupted sample's (on ``rollout.name=engine``; vLLM reseeds the continuatio
 see :mod:`hybridflow.workers.rollout.vllm_rollout.engine`). Log-probs: one per generated token when the
 request asks for them (``logprobs``, from ``rollout.calculate_log_probs``), else none; a server answer
 without them is an error naming the sample and the backend (:func:`turn_log_probs`).
+
+Router replay R3 (``rollout.enable_rollout_routing_replay``): the server's answer carries the request's
+``routed_experts`` (prompt + generated tokens); the output keeps the last request's. A resumed sample's
+request is prompt + partial response, which the engine prefills again (no prefix cache while it
+records): its record covers the whole sample, the earlier tokens' routing recomputed under the weights
+the continuation attended with — ids aligned with the tokens, never stitched from two records.
 """
 
 from __future__ import annotations
@@ -97,6 +103,7 @@ class SingleTurnAgentLoop(AgentLoopBase):
         else:
             prompt_ids = await prompt_ids_of(self, kwargs)
             response, log_probs, extra, preempted, spent = [], [], {}, 0, 0.0
+        previous_routing = partial.routed_experts if partial is not None else None
         request_id = str(kwargs.get("sample_id") or uuid.uuid4().hex)
         params = dict(sampling_params)
         wanted = bool(params.get("logprobs", True))
@@ -109,6 +116,10 @@ class SingleTurnAgentLoop(AgentLoopBase):
         )
         spent += time.perf_counter() - start
         turn = turn_log_probs(output, wanted, request_id, backend_name(self))
+        # router replay R3: this request's record covers prompt + response so far + its tokens (a resumed
+        # sample's earlier tokens recomputed in its prefill); a call that generated nothing keeps the last
+        routed = getattr(output, "routed_experts", None)
+        routed = routed if routed is not None else previous_routing
         response += output.token_ids
         log_probs += turn or []
         version_span(extra, output.weight_version, len(output.token_ids))
@@ -119,6 +130,7 @@ class SingleTurnAgentLoop(AgentLoopBase):
             response_ids=response[: self.response_length],
             response_mask=[1] * min(len(response), self.response_length),
             response_logprobs=log_probs[: self.response_length] if wanted else None,
+            routed_experts=routed,
             num_turns=2,
             metrics=AgentLoopMetrics(generate_sequences=spent, num_preempted=preempted + int(aborted)),
             extra_fields=extra,

@@ -22,6 +22,12 @@ output>``, it continues the cut turn from prompt + response so far, with the sam
 token is kept, no tool call runs twice, and the rewards of the tools (``calc_reward``) are taken once,
 when the conversation ends. If the instances are gone (another process resumed it), new ones are created
 and ``extra_fields["tool_session_restarted"]`` says so.
+
+**Router replay R3.** Each server answer carries its request's ``routed_experts`` (the conversation so
+far + the turn's tokens: the engine prefills every turn again while it records); the output keeps the
+last turn's record, as the synchronous multi-turn rollout does: the tool / user tokens after it were
+never fed, and have 0s. A resumed turn's record covers the whole conversation again (its earlier tokens'
+routing recomputed under the weights the continuation attended with).
 """
 
 from __future__ import annotations
@@ -94,7 +100,10 @@ class _ServerTurns:
         version_span(self.extra, out.weight_version, len(out.token_ids))
         reason = FINISH_REASONS.get(out.stop_reason or "completed", "stop")
         log_probs = turn_log_probs(out, self.wants_log_probs, self.request_id, self.backend)
-        completion = Completion(list(out.token_ids), log_probs or [0.0] * len(out.token_ids), reason)
+        routed = getattr(out, "routed_experts", None)  # R3: the turn's record over the conversation so far
+        completion = Completion(
+            list(out.token_ids), log_probs or [0.0] * len(out.token_ids), reason, routed_experts=routed
+        )
         return GenerationResult(self.request_id, list(prompt_ids), [completion])
 
 
@@ -186,6 +195,7 @@ class ToolAgentLoop(AgentLoopBase):
             response_ids=conv.response_ids,
             response_mask=conv.response_mask,
             response_logprobs=conv.log_probs if turns.wants_log_probs else None,
+            routed_experts=conv.routed_experts,
             num_turns=conv.assistant_turns + conv.user_turns + 1,
             metrics=AgentLoopMetrics(
                 generate_sequences=previous.generate_s + turns.seconds,
@@ -243,6 +253,7 @@ class _Previous:
         out = self.partial
         conv.response_ids, conv.response_mask = list(out.response_ids), list(out.response_mask)
         conv.log_probs = list(out.response_logprobs or [0.0] * len(out.response_ids))
+        conv.routed_experts = out.routed_experts  # until a resumed turn brings a record of the whole
         for name, value in (self.extra.get("conversation") or {}).items():
             setattr(conv, name, copy.deepcopy(value))
         conv.finish_reason = "abort"  # continue the cut turn

@@ -10,7 +10,8 @@ hangs past ``reward_model.score_timeout_s`` cannot be stopped in a thread: it is
 (``agent_loop/stuck_scorers``, with a warning) and bounded (``reward_manager/timeouts.py``: past
 ``MAX_STUCK_SCORERS`` the run ends naming the sample). The chunk comes back as the same DataProto the
 synchronous rollout gives (``responses``, ``response_mask``, ``rollout_log_probs``, prompt + response
-``input_ids`` ...), plus ``token_level_scores`` and the reward extras when scored here.
+``input_ids`` ...), plus ``token_level_scores`` and the reward extras when scored here, and with router
+replay R3 the loops' ``routed_experts`` laid out in ``input_ids``' columns as the sync rollout lays them.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from hybridflow.workers.rollout.agent_loop.base import (
 )
 from hybridflow.workers.rollout.agent_loop.server_manager import AsyncLLMServerManager
 from hybridflow.workers.rollout.base import assemble_output, sample_seed, sampling_params
+from hybridflow.workers.rollout.engine.routing import routed_experts_rows
 
 # extra_fields a loop may return that become per-sample columns (numbers) of the batch
 NUMERIC_EXTRAS = ("tool_calls", "tool_failures", "tool_rewards")
@@ -344,8 +346,9 @@ class AgentLoopWorker:
             else 1
         )
         with_log_probs = all(o.response_logprobs is not None for o in outputs)
-        return assemble_output(
-            self._prompt_rows(outputs, width),
+        prompts = self._prompt_rows(outputs, width)
+        out = assemble_output(
+            prompts,
             responses,
             [],
             pad,
@@ -353,6 +356,28 @@ class AgentLoopWorker:
             response_mask=response_mask,
             response_attention=present,
         )
+        routed = self._routed_experts(outputs)
+        if routed is not None:  # router replay R3: (B, T, L, k) in input_ids' columns, 0 on padding
+            out.batch[keys.ROUTED_EXPERTS] = routed_experts_rows(
+                prompts.batch[keys.ATTENTION_MASK], routed, length
+            )
+        return out
+
+    def _routed_experts(self, outputs: list[AgentLoopOutput]) -> list[torch.Tensor | None] | None:
+        """Each output's ``routed_experts`` (prompt + response tokens, L, k) as a tensor (verl's loops
+        may hand numpy arrays); None when no output has them. With
+        ``rollout.enable_rollout_routing_replay`` a finished sample without them is an error: R3 would
+        replay expert 0 on its every token."""
+        found = [None if o.routed_experts is None else torch.as_tensor(o.routed_experts) for o in outputs]
+        if self.config.actor_rollout_ref.rollout.get("enable_rollout_routing_replay", False):
+            for row, (ids, output) in enumerate(zip(found, outputs, strict=True)):
+                if ids is None and output.response_ids and not output.extra_fields.get("is_partial"):
+                    raise AgentLoopError(
+                        f"row {row}: rollout.enable_rollout_routing_replay=true but its agent loop returned "
+                        "no routed_experts (a loop of its own must pass the server output's routed_experts "
+                        "on, as single_turn_agent and tool_agent do)"
+                    )
+        return found if any(ids is not None for ids in found) else None
 
     async def _score_in_loop(self, batch: DataProto, row: int, output: AgentLoopOutput):
         """One sample through the reward loop (:mod:`hybridflow.workers.reward_loop`): (its token-level
