@@ -107,6 +107,7 @@ def _with_agent_name(data, tmp: Path, name: str) -> tuple[str, str]:
     return paths[0], paths[1]
 
 
+@pytest.mark.slow  # a whole server-mode run (~57 s); the agent loops' own tests: tests/workers/rollout/
 def test_a_loop_written_for_verl_runs_unchanged(groups, tiny_model_dir, arithmetic_data, tmp_path):
     """verl's imports resolve through the verl alias, in the driver and in the agent-loop workers."""
     from hybridflow import verl_compat

@@ -398,6 +398,7 @@ def test_reward_model_scores_the_last_response_token(worker_groups, reference_ru
         )
 
 
+@pytest.mark.slow  # a whole main_ppo run with tools (~60 s); parts: tests/workers/rollout/test_multi_turn.py
 def test_multi_turn_grpo_runs_through_main_ppo_with_tools(
     ray_session, tiny_model_dir, arithmetic_data, tmp_path, monkeypatch
 ):
