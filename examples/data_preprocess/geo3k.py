@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hybridflow.utils.local_data import read_split, write_rows
+from hybridflow.utils.local_data import add_folder_args, read_split, write_rows
 
 DATA_SOURCE = "hiyouga/geometry3k"
 INSTRUCTION = (
@@ -69,20 +69,12 @@ def convert(input_dir: str | Path, output_dir: str | Path) -> dict[str, Path]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--local_dataset_path",
-        "--input_dir",
-        dest="input_dir",
-        default="~/data/geometry3k",
-        help="folder with the train and test splits (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--local_save_dir",
-        "--local_dir",
-        "--output_dir",
-        dest="output_dir",
-        default="~/data/geo3k",
-        help="where train.parquet and test.parquet go (default: %(default)s, verl's)",
+    add_folder_args(
+        parser,
+        "~/data/geometry3k",
+        "~/data/geo3k",
+        "folder with the train and test splits",
+        "where train.parquet and test.parquet go, verl's default",
     )
     args = parser.parse_args(argv)
     for split, path in convert(args.input_dir, args.output_dir).items():

@@ -19,6 +19,8 @@ import json
 import re
 from pathlib import Path
 
+from hybridflow.utils.local_data import add_folder_args
+
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 SPLITS = ("train", "test")
@@ -72,21 +74,13 @@ def convert(input_dir: str | Path, output_dir: str | Path) -> dict[str, Path]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--input_dir",
-        "--local_dataset_path",
-        dest="input_dir",
-        default=DEFAULT_INPUT_DIR,
-        help="folder holding GSM8K's train.jsonl and test.jsonl, from github.com/openai/grade-school-math "
-        "(grade_school_math/data) (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--output_dir",
-        "--local_save_dir",
-        "--local_dir",
-        dest="output_dir",
-        default="~/data/gsm8k",
-        help="where train.parquet and test.parquet go (default: %(default)s)",
+    add_folder_args(
+        parser,
+        DEFAULT_INPUT_DIR,
+        "~/data/gsm8k",
+        "folder holding GSM8K's train.jsonl and test.jsonl, from github.com/openai/grade-school-math "
+        "(grade_school_math/data)",
+        "where train.parquet and test.parquet go",
     )
     args = parser.parse_args(argv)
     for split, path in convert(args.input_dir, args.output_dir).items():

@@ -29,7 +29,7 @@ import argparse
 import json
 from pathlib import Path
 
-from hybridflow.utils.local_data import read_split, write_rows
+from hybridflow.utils.local_data import add_folder_args, read_split, write_rows
 from hybridflow.utils.reward_score.math_reward import last_boxed_only_string, remove_boxed
 
 DATA_SOURCE = "DigitalLearningGmbH/MATH-lighteval"
@@ -74,20 +74,12 @@ def convert(input_dir: str | Path, output_dir: str | Path) -> dict[str, Path]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--local_dataset_path",
-        "--input_dir",
-        dest="input_dir",
-        default="~/data/MATH-lighteval",
-        help="folder with the train and test splits (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--local_save_dir",
-        "--local_dir",
-        "--output_dir",
-        dest="output_dir",
-        default="~/data/math",
-        help="where train.parquet and test.parquet go (default: %(default)s, verl's)",
+    add_folder_args(
+        parser,
+        "~/data/MATH-lighteval",
+        "~/data/math",
+        "folder with the train and test splits",
+        "where train.parquet and test.parquet go, verl's default",
     )
     args = parser.parse_args(argv)
     for split, path in convert(args.input_dir, args.output_dir).items():

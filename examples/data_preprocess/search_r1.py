@@ -34,6 +34,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hybridflow.utils.local_data import add_folder_args
+
 DEFAULT_SYSTEM_CONTENT = "You are a helpful and harmless assistant."
 DEFAULT_USER_CONTENT_PREFIX = (  # Search-R1's instruction, as verl's script has it
     "Answer the given question. You must conduct reasoning inside <think> and </think> "
@@ -125,20 +127,12 @@ def convert(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--input_dir",
-        "--local_dataset_path",
-        dest="input_dir",
-        default="~/data/nq_hotpotqa_train",
-        help="folder with <split>.parquet or <split>.jsonl (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--output_dir",
-        "--local_save_dir",
-        "--local_dir",
-        dest="output_dir",
-        default="~/data/searchR1_processed_direct",
-        help="where <split>.parquet go (default: %(default)s, verl's)",
+    add_folder_args(
+        parser,
+        "~/data/nq_hotpotqa_train",
+        "~/data/searchR1_processed_direct",
+        "folder with <split>.parquet or <split>.jsonl",
+        "where <split>.parquet go",
     )
     parser.add_argument("--splits", nargs="+", default=["train", "test"])
     parser.add_argument("--data_source", default=None, help="for rows without one: nq, hotpotqa, ...")

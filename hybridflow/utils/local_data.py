@@ -77,3 +77,26 @@ def write_rows(rows: list[dict], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path
+
+
+def add_folder_args(
+    parser, input_default: str, output_default: str, input_help: str, output_help: str
+) -> None:
+    """verl's data-preparation flags on ``parser``: the input as ``--local_dataset_path`` / ``--input_dir``
+    (``args.input_dir``), the output as ``--local_save_dir`` / ``--local_dir`` / ``--output_dir``
+    (``args.output_dir``), each help followed by its default."""
+    parser.add_argument(
+        "--local_dataset_path",
+        "--input_dir",
+        dest="input_dir",
+        default=input_default,
+        help=f"{input_help} (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--local_save_dir",
+        "--local_dir",
+        "--output_dir",
+        dest="output_dir",
+        default=output_default,
+        help=f"{output_help} (default: %(default)s)",
+    )
