@@ -31,10 +31,10 @@ import logging
 import uuid
 from typing import Any
 
-from fastmcp.exceptions import ClientError
-
 from hybridflow.workers.rollout.tools.base_tool import BaseTool, ToolSchema
-from hybridflow.workers.rollout.tools.mcp_client import ClientManager
+
+# fastmcp through mcp_client, whose import says which extra brings it when it is missing
+from hybridflow.workers.rollout.tools.mcp_client import ClientError, ClientManager
 
 logger = logging.getLogger(__name__)
 

@@ -42,6 +42,7 @@ from typing import Any
 try:
     from fastmcp import Client
     from fastmcp.client.transports import SSETransport
+    from fastmcp.exceptions import ClientError  # noqa: F401  (re-exported: mcp_base_tool's)
 except ImportError as error:  # an optional dependency: say which extra brings it
     raise ImportError(
         f"verl's MCP tools need the fastmcp package ({error}); install hybridflow's serve extra: "
