@@ -14,6 +14,8 @@ Slow tier, on real Ray processes: a trainer rank and two rollout replicas
 - a replica SIGKILLed mid-rollout: its requests in flight go to the other replica and finish whole
   (counted as rerouted), a new process takes its rank, gets the trainer's weights through the
   checkpoint engine (bitwise equal), serves again and takes new requests;
+- a replica killed while the pool sleeps between phases: the next wake-up replaces it, the other one
+  serves alone, and the next parameter sync loads the new process, which serves again;
 - replicas that keep dying: past the limit the watcher raises naming the replica and the count.
 """
 
@@ -272,6 +274,44 @@ def test_a_killed_replica_s_requests_go_to_the_other_and_a_new_one_joins_with_th
     watch.stop()
     got, expected = manager.worker_group.view([1]).weights()[0], trainer.full_weights()[0]
     assert sorted(got) == sorted(expected)
+    assert all((got[name] == expected[name]).all() for name in expected), "the new replica's weights differ"
+
+
+@pytest.mark.slow  # make test-slow: the pool above
+def test_a_replica_killed_between_serving_phases_is_replaced_at_the_wake_up_and_loaded_by_the_sync(
+    elastic_pool,
+):
+    """Killed while the pool sleeps (the rollouter paused: no serve loop is watched), a replica is found
+    dead by the next phase's wake-up, replaced there, and the other one serves alone; the next parameter
+    sync of the whole pool gives the new process the weights and it serves from the phase after."""
+    import ray
+
+    manager, trainer, watch = elastic_pool
+    client, elastic = manager.workers[0], manager.elastic
+    if not watch.ended.is_set():
+        watch.stop()  # the pool sleeps, as during a parameter sync
+    restarts = elastic.restarts
+    old_pid = _kill(manager, 0)
+    watch.__init__(manager)  # the wake-up of the next phase meets the dead process
+    assert elastic.restarts == restarts + 1 and 0 in elastic.pending
+    assert manager.serving_refs[0] is None and manager.serving_refs[1] is not None
+    outputs = ray.get([client.generate.remote(f"p{i}", 4) for i in range(4)], timeout=60)
+    assert all(len(o.token_ids) == 4 for o in outputs)  # replica 1 alone served them
+
+    # a pause and a parameter sync, as fully_async's trainer does them: the new process is loaded too
+    watch.stop()
+    trainer.perturb(2)
+    elastic.weight_sync.update_weights(2)
+    elastic.weights_loaded()
+    watch.__init__(manager)
+    assert manager.serving_refs[0] is not None and manager.worker_group.worker_pids[0] != old_pid
+    sent_before = ray.get(client.sent.remote())
+    more = ray.get([client.generate.remote(f"q{i}", 4) for i in range(6)], timeout=60)
+    assert ray.get(client.sent.remote())[0] > sent_before[0], "the new replica took no request"
+    assert all(o.weight_version == 2 for o in more)
+    assert not watch.errors, watch.errors
+    watch.stop()
+    got, expected = manager.worker_group.view([0]).weights()[0], trainer.full_weights()[0]
     assert all((got[name] == expected[name]).all() for name in expected), "the new replica's weights differ"
 
 

@@ -17,6 +17,11 @@ process died (:meth:`ElasticReplicas.replica_died`, called by the manager's serv
    to every replica;
 4. it serves again: its serve loop starts, its server recovers, the agent loops route to it.
 
+A replica that dies between serving phases (while the rollouter pauses and its engine sleeps, or while it
+wakes for the next phase) is found by those calls themselves (:meth:`ElasticReplicas.call_each`) and
+replaced the same way. A death inside a parameter sync's broadcast still ends the run (its collective
+breaks on every rank).
+
 Past ``actor_rollout_ref.rollout.max_replica_restarts`` restarts in a run the next death ends the run with
 :class:`ReplicaRestartLimit`, naming the replica and the count.
 """
@@ -82,6 +87,24 @@ class ElasticReplicas:
             f"{self.max_restarts}: {MAX_REPLICA_RESTARTS_KEY})",
             flush=True,
         )
+
+    # ------------------------------------------------------------------ control calls between phases
+    def call_each(self, method: str, ranks: list[int], *args) -> list:
+        """``method`` (a worker-group method, e.g. ``rollout_sleep``) on each of ``ranks``, outside a
+        serving phase, where no serve loop is watched: a rank whose process died meanwhile is replaced
+        (:meth:`replica_died`) instead of ending the run. Returns the outputs of the ranks that
+        answered, in ``ranks``' order. A method that raises (not a death) raises."""
+        from hybridflow.single_controller.ray.base import WorkerDiedError
+
+        group = self.manager.worker_group
+        futures = {rank: getattr(group.view([rank]), f"{method}_async")(*args) for rank in ranks}
+        outputs = []
+        for rank, future in futures.items():
+            try:
+                outputs.append(group._get_one(future.rank_refs[0], rank, method))
+            except WorkerDiedError as died:
+                self.replica_died(rank, str(died).splitlines()[0][:300])
+        return outputs
 
     # ------------------------------------------------------------------ weights (the trainer's thread)
     def load_pending(self, version: int) -> dict[str, float]:

@@ -110,9 +110,13 @@ class AgentLoopManager:
         one serve-loop future per replica (:meth:`stop_serving` ends them)."""
         import ray
 
-        ranks = self.elastic.serving_ranks() if self.elastic is not None else list(range(len(self.servers)))
+        if self.elastic is None:
+            ranks = list(range(len(self.servers)))
+            sync_metrics = self.worker_group.rollout_wake_up(rows)
+        else:  # a replica that died since the last phase is replaced now, the others serve
+            sync_metrics = self.elastic.call_each("rollout_wake_up", self.elastic.serving_ranks(), rows)
+            ranks = self.elastic.serving_ranks()
         group = self.worker_group if len(ranks) == len(self.servers) else self.worker_group.view(ranks)
-        sync_metrics = group.rollout_wake_up(rows)
         back = [r for r in ranks if r in self._down]  # restarted replicas, weights loaded by the sync
         ray.get([self.servers[r].recover.remote() for r in back])
         ray.get([server.start_serving.remote() for server in self.servers])
@@ -176,7 +180,11 @@ class AgentLoopManager:
         ray.get([server.stop_serving.remote() for server in self.servers])
         served = self._finish_serving(serve_refs)
         self.serving_refs = None
-        self.worker_group.rollout_sleep()
+        if self.elastic is None:
+            self.worker_group.rollout_sleep()
+        else:  # a replica that died as serving ended (its loop's end then looks normal) is replaced now
+            awake = [r for r in range(len(self.servers)) if r not in self._down]
+            self.elastic.call_each("rollout_sleep", awake)
         return served
 
     def generate_async(self, prompts: DataProto, worker: int = 0):
