@@ -118,7 +118,7 @@ def sft_warm_start(model_dir: Path, train_file: Path, out_dir: Path, args, tool_
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
-    start, steps, losses, longest = time.time(), 0, [], 0
+    start, steps, losses = time.time(), 0, []
     while time.time() - start < args.sft_minutes * 60:
         rows = []
         for index in rng.sample(range(len(dataset)), args.sft_batch):
@@ -136,7 +136,6 @@ def sft_warm_start(model_dir: Path, train_file: Path, out_dir: Path, args, tool_
             rows.append((list(item["raw_prompt_ids"]), [(call, True), (tool, False), (answer, True)]))
         lengths = [len(p) + sum(len(t) for t, _ in turns) for p, turns in rows]
         width = max(lengths)
-        longest = max(longest, max(len(p) for p, _ in rows), width - min(len(p) for p, _ in rows))
         ids = torch.full((len(rows), width), tokenizer.pad_token_id)
         mask = torch.zeros_like(ids)
         labels = torch.full_like(ids, -100)
