@@ -120,8 +120,43 @@ def mixed_length_data(tmp_path_factory):
     return str(train), str(test)
 
 
+def _pause_mid_generation(monkeypatch) -> list[int]:
+    """Make every sync's pause land while a request is being generated: the pause waits (at most 30 s)
+    until a replica holds a request, then 20 ms (the engine decodes a few of its 96 tokens), and records
+    how many requests it aborted. Without it, whether a sync finds a sample mid-flight depends on the
+    machine: where generation outruns the update, every sample is done before the sync (CI's did)."""
+    import asyncio
+    import time
+
+    from hybridflow.trainer.fully_async.rollouter import Rollouter
+
+    pause, aborted = Rollouter._pause, []
+
+    async def requests_held(self) -> int:
+        return sum(await asyncio.gather(*[server.in_flight.remote() for server in self.manager.servers]))
+
+    async def pause_mid_generation(self):
+        deadline = time.monotonic() + 30.0
+        while self.in_flight and not await requests_held(self) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.02)
+        aborted.append(await requests_held(self))
+        await pause(self)
+
+    monkeypatch.setattr(Rollouter, "_pause", pause_mid_generation)
+    return aborted
+
+
 @pytest.mark.slow  # make test-slow (77 s): the fast tier keeps fully_async_main's staleness-0 run
-def test_stale_partial_rollouts_with_token_is(ray_session, vllm_model_dir, mixed_length_data, tmp_path):
+def test_stale_partial_rollouts_with_token_is(
+    ray_session, vllm_model_dir, mixed_length_data, tmp_path, monkeypatch
+):
+    """Staleness 1 with partial rollout: every sample waits 3 s before it generates (longer than an
+    update), so samples are in flight at each sync, which aborts them mid-generation; they resume under
+    the new weights."""
+    loop = "tests.workers.rollout.verl_style_agent_loops.SlowSingleTurnAgentLoop"
+    (tmp_path / "loops.yaml").write_text(f"- name: slow\n  _target_: {loop}\n  delay_s: 3.0\n  every: 1\n")
+    aborted = _pause_mid_generation(monkeypatch)
     values = _values(
         vllm_model_dir,
         mixed_length_data,
@@ -133,11 +168,14 @@ def test_stale_partial_rollouts_with_token_is(ray_session, vllm_model_dir, mixed
             "async_training.use_rollout_log_probs": False,
             "algorithm.rollout_correction.rollout_is": "token",
             "trainer.total_training_steps": 4,
-            "data.max_response_length": 40,
+            "data.max_response_length": 96,
             "actor_rollout_ref.rollout.ignore_eos": True,  # long samples: a sync lands while they run
+            "actor_rollout_ref.rollout.agent.agent_loop_config_path": str(tmp_path / "loops.yaml"),
+            "actor_rollout_ref.rollout.agent.default_agent_loop": "slow",
         },
     )
     _run_fully_async(values, tmp_path)
+    assert any(aborted), aborted  # some sync did find requests in flight
     metrics = _metrics(tmp_path, "stale")
     assert sorted(metrics) == [1, 2, 3, 4]
     for record in metrics.values():

@@ -61,16 +61,16 @@ class KillingAgentLoop(AgentLoopBase):
 
 
 class SlowSingleTurnAgentLoop(SingleTurnAgentLoop):
-    """The built-in single turn, but every third prompt (by dataset index) waits ``delay_s`` first: a
-    long tail of slow samples."""
+    """The built-in single turn, but every ``every``-th prompt (by dataset index; every third by default)
+    waits ``delay_s`` first: a long tail of slow samples."""
 
-    def __init__(self, *args, delay_s: float = 0.3, **kwargs):
+    def __init__(self, *args, delay_s: float = 0.3, every: int = 3, **kwargs):
         super().__init__(*args, **kwargs)
-        self.delay_s = delay_s
+        self.delay_s, self.every = delay_s, int(every)
 
     async def run(self, sampling_params, **kwargs):
         import asyncio
 
-        if int(kwargs["index"]) % 3 == 0:
+        if int(kwargs["index"]) % self.every == 0:
             await asyncio.sleep(self.delay_s)
         return await super().run(sampling_params, **kwargs)
