@@ -9,12 +9,16 @@ on the same budget without the tool. One command::
 2. starts ``python -m hybridflow.retrieval serve`` over the corpus (BM25) and writes verl's search tool
    config pointing at it;
 3. builds a tiny Qwen2-architecture model whose tokenizer is trained on the task text, and warm-starts it
-   with SFT on a careless teacher (:func:`hybridflow.tasks.search_facts.teacher_query`: it searches the
-   asked fact with probability --teacher-accuracy, else the person's other one, and answers what came
-   back, :func:`~hybridflow.tasks.search_facts.passage_value`): the tool turns are laid out token for
-   token as the tool agent loop lays them out (the tool's real answers,
-   rendered by the loop's own :class:`~hybridflow.workers.rollout.multi_turn.ToolTurnRenderer`), only the
-   assistant's tokens are trained; a plain torch loop bounded by --sft-minutes;
+   with SFT on a reluctant searcher: first every conversation searches the asked fact and answers with
+   the value that came back (the copies: name and fact into the query, the passage's value into the
+   answer), until the loss says the copies are learned (--sft-copy-loss) or --sft-copy-minutes are up;
+   then, for --sft-decision-minutes, only --teacher-search of them (0.3) search, the others answer
+   from memory (:func:`~hybridflow.tasks.search_facts.teacher_answer`, right with probability
+   --teacher-accuracy on the training people). The warm-started model can use the tool, but prefers not
+   to: greedy, it answers from memory; learning that the search pays is left to GRPO. The tool turns
+   are laid out token for token as the tool agent loop lays them out (the tool's real answers, rendered
+   by the loop's own :class:`~hybridflow.workers.rollout.multi_turn.ToolTurnRenderer`), only the
+   assistant's tokens are trained; a plain torch loop;
 4. GRPO through ``python -m hybridflow.trainer.main_ppo`` with verl's keys (``rollout.mode=async``: the
    ``tool_agent`` loop on generation servers; ``multi_turn.tool_config_path``; the task file as
    ``custom_reward_function``), stopped by ``trainer.time_budget_minutes``, validating greedily on the
@@ -24,8 +28,8 @@ on the same budget without the tool. One command::
 answers from memory, :func:`~hybridflow.tasks.search_facts.teacher_answer`, no tool config) and writes
 ``search_agent_curve.png`` with both curves.
 The script prints JSON lines: the SFT summary, the learning curve and a summary of the FINAL model (no
-best checkpoint is picked) against the model before GRPO and chance. Status: the learning target is not
-met yet (examples/search_agent/README.md).
+best checkpoint is picked) against the model before GRPO and chance. What it measured:
+examples/search_agent/README.md.
 """
 
 from __future__ import annotations
@@ -87,7 +91,7 @@ def tool_texts(url: str, queries: list[str], topk: int) -> dict[str, str]:
 
 
 def sft_warm_start(model_dir: Path, train_file: Path, out_dir: Path, args, tool_text: dict | None) -> dict:
-    """Cross-entropy on the weak teacher's conversations (assistant tokens only), left-padded batches of
+    """Cross-entropy on the reluctant searcher's conversations (assistant tokens only), left-padded batches of
     ``--sft-batch``; ``tool_text`` None: the no-tool control (the answer right after the prompt)."""
     import shutil
 
@@ -98,8 +102,8 @@ def sft_warm_start(model_dir: Path, train_file: Path, out_dir: Path, args, tool_
     from hybridflow.tasks.search_facts import (
         answer_text,
         passage_value,
+        search_query,
         teacher_answer,
-        teacher_query,
         tool_call_text,
     )
     from hybridflow.utils.dataset import RLHFDataset
@@ -119,17 +123,31 @@ def sft_warm_start(model_dir: Path, train_file: Path, out_dir: Path, args, tool_
         return tokenizer.encode(text, add_special_tokens=False)
 
     start, steps, losses = time.time(), 0, []
-    while time.time() - start < args.sft_minutes * 60:
+    copy_s = None if tool_text is not None else 0.0  # the control has no copy phase
+    while True:
+        elapsed = time.time() - start
+        if copy_s is None and (
+            elapsed >= args.sft_copy_minutes * 60
+            or (len(losses) >= 25 and sum(losses[-25:]) / 25 < args.sft_copy_loss)
+        ):
+            copy_s, copy_steps = elapsed, steps  # the copies are learned (or their minutes are up)
+            print(f"sft: copy phase over after {steps} steps ({elapsed:.0f} s)", flush=True)
+        if tool_text is None:  # the control: the tool arm's longest warm start
+            if elapsed >= (args.sft_copy_minutes + args.sft_decision_minutes) * 60:
+                break
+        elif copy_s is not None and elapsed - copy_s >= args.sft_decision_minutes * 60:
+            break
         rows = []
         for index in rng.sample(range(len(dataset)), args.sft_batch):
             item = dataset[index]
             info, truth = item["extra_info"], item["reward_model"]["ground_truth"]["target"][0]
             kind = info["question_type"]
-            if tool_text is None:  # the control: an answer from memory
+            searches = tool_text is not None and (copy_s is None or rng.random() < args.teacher_search)
+            if not searches:  # the control, or the reluctant searcher: an answer from memory
                 answer = encode(teacher_answer(truth, kind, rng, args.teacher_accuracy)) + [eos]
                 rows.append((list(item["raw_prompt_ids"]), [(answer, True)]))
                 continue
-            query = teacher_query(info["name"], kind, rng, args.teacher_accuracy)
+            query = search_query(info["name"], kind)
             call = encode(tool_call_text(query)) + [eos]
             tool = renderer.tool_turn_ids([tool_text[query]])
             answer = encode(answer_text(passage_value(tool_text[query]))) + [eos]  # what came back
@@ -166,9 +184,11 @@ def sft_warm_start(model_dir: Path, train_file: Path, out_dir: Path, args, tool_
     for name in os.listdir(model_dir):  # tokenizer, chat template, generation config
         if not name.startswith(("model", "config")):
             shutil.copy(model_dir / name, out_dir / name)
+    copied = {"copy_steps": copy_steps, "copy_s": round(copy_s, 1)} if tool_text is not None else {}
     return {
         "sft_steps": steps,
         "sft_s": round(time.time() - start, 1),
+        **copied,
         "sft_final_loss": round(losses[-1], 4),
     }
 
@@ -337,27 +357,55 @@ def main() -> None:
     )
     parser.add_argument("--out", default="outputs/search_agent")
     parser.add_argument("--control", action="store_true", help="also run the no-tool control and plot both")
-    parser.add_argument("--no-tool-only", action="store_true", help="run only the control")
+    parser.add_argument(
+        "--no-tool-only",
+        action="store_true",
+        help="run only the control (compared with a with_tool arm already in --out)",
+    )
     parser.add_argument("--num-people", type=int, default=1200)
     parser.add_argument("--num-test", type=int, default=200, help="people of the held-out split")
     parser.add_argument("--topk", type=int, default=1, help="passages per search (verl's default: 3)")
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--sft-minutes", type=float, default=8.5)
+    parser.add_argument(
+        "--sft-copy-minutes",
+        type=float,
+        default=11.5,
+        help="at most this long, every warm-start conversation searches (the copies are taught)",
+    )
+    parser.add_argument(
+        "--sft-copy-loss",
+        type=float,
+        default=0.02,
+        help="the copy phase ends early once the loss (mean of 25 steps) is below this: copies learned",
+    )
+    parser.add_argument(
+        "--sft-decision-minutes",
+        type=float,
+        default=1.0,
+        help="then this long the teacher searches only --teacher-search of the time (the no-tool "
+        "control's SFT: --sft-copy-minutes + --sft-decision-minutes)",
+    )
+    parser.add_argument(
+        "--teacher-search",
+        type=float,
+        default=0.3,
+        help="after the copy phase: how often the teacher searches (else it answers from memory)",
+    )
     parser.add_argument("--sft-lr", type=float, default=3e-3)
-    parser.add_argument("--sft-batch", type=int, default=32, help="conversations per SFT step")
+    parser.add_argument("--sft-batch", type=int, default=16, help="conversations per SFT step")
     parser.add_argument(
         "--teacher-accuracy",
         type=float,
         default=0.4,
-        help="how often the teacher searches for the asked fact (the control's: answers right)",
+        help="how often the teacher's answers from memory are right (training people only)",
     )
-    parser.add_argument("--grpo-minutes", type=float, default=8.0)
+    parser.add_argument("--grpo-minutes", type=float, default=6.0)
     parser.add_argument("--prompts-per-step", type=int, default=16)
     parser.add_argument("--n", type=int, default=8, help="responses per prompt (GRPO group size)")
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--kl-coef", type=float, default=0.0, help="> 0: verl's low_var_kl KL loss")
-    parser.add_argument("--test-freq", type=int, default=5)
+    parser.add_argument("--test-freq", type=int, default=4)
     parser.add_argument("--max-prompt-length", type=int, default=64)
     parser.add_argument("--max-response-length", type=int, default=128)
     parser.add_argument("--max-assistant-turns", type=int, default=3)
@@ -373,6 +421,9 @@ def main() -> None:
         arms["with_tool"] = run(args, out, with_tool=True)
     if args.control or args.no_tool_only:
         arms["no_tool"] = run(args, out, with_tool=False)
+    earlier = out / "with_tool" / "summary.json"
+    if "with_tool" not in arms and earlier.exists():  # --no-tool-only next to an earlier arm with the tool
+        arms = {"with_tool": json.loads(earlier.read_text()), **arms}
     if len(arms) == 2:
         tool, control = arms["with_tool"]["summary"], arms["no_tool"]["summary"]
         gap = round(100 * (tool["acc_final"] - control["acc_final"]), 1)

@@ -13,11 +13,10 @@ passage and the answer alike: the agent copies tokens.
 
 The answer is scored by verl's Search-R1 exact match (``<answer> Lima</answer>``,
 :mod:`hybridflow.utils.reward_score.search_r1_like_qa_em`): :func:`compute_score` is the file's
-``custom_reward_function``. The warm start's weak teacher searches carelessly (:func:`teacher_query`: more
-often than not for the person's other fact, the job when asked the city) and answers with the value of
-whatever passage came back (:func:`passage_value`): the warm-started model has the tool format, copies
-names and values, but when greedy searches for the wrong fact; asking for the right one is left to
-reinforcement learning.
+``custom_reward_function``. The example's warm start (``examples/search_agent``) teaches a reluctant
+searcher: it can search the asked fact (:func:`search_query`) and answer with the value that came back
+(:func:`passage_value`), but more often answers from memory (:func:`teacher_answer`), which on held-out
+people is chance; learning that the search pays is left to reinforcement learning.
 
     python -m hybridflow.tasks.search_facts --out DIR   # corpus.jsonl, train/test parquet, tool config
 """
@@ -160,13 +159,6 @@ def search_query(name: str, kind: str) -> str:
     return f"the {kind} of {name}"
 
 
-def teacher_query(name: str, kind: str, rng: random.Random, accuracy: float) -> str:
-    """The weak teacher's query: for the asked fact with probability ``accuracy``, else for the person's
-    other fact (``"the job of Dalo Kolt"`` when asked the city), which finds the wrong passage."""
-    other = next(k for k in QUESTIONS if k != kind)
-    return search_query(name, kind if rng.random() < accuracy else other)
-
-
 def tool_call_text(query: str) -> str:
     """The assistant's search call for ``query`` (Hermes format, as the tool agent loop parses it)."""
     call = {"name": TOOL_NAME, "arguments": {"query_list": [query]}}
@@ -181,14 +173,15 @@ def answer_text(value: str) -> str:
 
 def passage_value(tool_text: str) -> str:
     """The value the search tool's text shows (the last word of its first passage): what the teacher
-    answers, right or not."""
+    answers after a search."""
     first = json.loads(tool_text)["result"].split("\n\n")[0]
     return first.rstrip(".").split()[-1]
 
 
 def teacher_answer(truth: str, kind: str, rng: random.Random, accuracy: float) -> str:
-    """The no-tool control's teacher: ``truth`` with probability ``accuracy``, else the fact's first
-    value (``Lima``, ``baker``): it can only have memorised the training people's facts."""
+    """An answer from memory (the control's teacher, and the reluctant searcher's when it does not
+    search): ``truth`` with probability ``accuracy``, else the fact's first value (``Lima``,
+    ``baker``); it can only have memorised the training people's facts."""
     values = QUESTIONS[kind][1]
     return answer_text(truth if rng.random() < accuracy else values[0])
 
