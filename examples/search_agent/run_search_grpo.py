@@ -123,20 +123,19 @@ def sft_warm_start(model_dir: Path, train_file: Path, out_dir: Path, args, tool_
         return tokenizer.encode(text, add_special_tokens=False)
 
     start, steps, losses = time.time(), 0, []
-    copy_s = None if tool_text is not None else 0.0  # the control has no copy phase
+    copy_s = copy_steps = None  # when the tool arm's copy phase ended
     while True:
         elapsed = time.time() - start
-        if copy_s is None and (
-            elapsed >= args.sft_copy_minutes * 60
-            or (len(losses) >= 25 and sum(losses[-25:]) / 25 < args.sft_copy_loss)
-        ):
-            copy_s, copy_steps = elapsed, steps  # the copies are learned (or their minutes are up)
-            print(f"sft: copy phase over after {steps} steps ({elapsed:.0f} s)", flush=True)
-        if tool_text is None:  # the control: the tool arm's longest warm start
+        if tool_text is None:  # the control: as long as the tool arm's longest warm start
             if elapsed >= (args.sft_copy_minutes + args.sft_decision_minutes) * 60:
                 break
-        elif copy_s is not None and elapsed - copy_s >= args.sft_decision_minutes * 60:
-            break
+        else:
+            learned = len(losses) >= 25 and sum(losses[-25:]) / 25 < args.sft_copy_loss
+            if copy_s is None and (learned or elapsed >= args.sft_copy_minutes * 60):
+                copy_s, copy_steps = elapsed, steps
+                print(f"sft: copy phase over after {steps} steps ({elapsed:.0f} s)", flush=True)
+            if copy_s is not None and elapsed - copy_s >= args.sft_decision_minutes * 60:
+                break
         rows = []
         for index in rng.sample(range(len(dataset)), args.sft_batch):
             item = dataset[index]
@@ -184,7 +183,7 @@ def sft_warm_start(model_dir: Path, train_file: Path, out_dir: Path, args, tool_
     for name in os.listdir(model_dir):  # tokenizer, chat template, generation config
         if not name.startswith(("model", "config")):
             shutil.copy(model_dir / name, out_dir / name)
-    copied = {"copy_steps": copy_steps, "copy_s": round(copy_s, 1)} if tool_text is not None else {}
+    copied = {} if copy_s is None else {"copy_steps": copy_steps, "copy_s": round(copy_s, 1)}
     return {
         "sft_steps": steps,
         "sft_s": round(time.time() - start, 1),
