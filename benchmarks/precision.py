@@ -22,7 +22,6 @@ import json
 import multiprocessing
 import os
 import resource
-import socket
 import time
 from concurrent.futures import ProcessPoolExecutor
 
@@ -98,9 +97,9 @@ def single_rank_group():
     """A world-size-1 gloo process group on a free local port."""
     import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from hybridflow.utils.ports import find_free_port
+
+    port = find_free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         yield

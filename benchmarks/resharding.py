@@ -204,7 +204,6 @@ def _rank_main(rank: int, world: int, port: int, args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import socket
 
     import torch.multiprocessing as mp
 
@@ -214,9 +213,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None, help="also append the JSON lines to this file")
     args = parser.parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from hybridflow.utils.ports import find_free_port
+
+    port = find_free_port()
     mp.spawn(_rank_main, args=(args.world, port, args), nprocs=args.world, join=True)
 
 

@@ -174,11 +174,9 @@ def _rank(rank: int, world: int, sp: int, port: int, model_dir: str, args, out: 
 
 
 def _free_port() -> int:
-    import socket
+    from hybridflow.utils.ports import find_free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return find_free_port()
 
 
 def run_layout(world: int, sp: int, model_dir: str, args) -> dict:

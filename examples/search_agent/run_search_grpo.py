@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -55,9 +54,9 @@ VAL_KEY = "val-core/hybridflow/search_facts/reward/mean@1"
 def start_retrieval_server(corpus: Path, log: Path) -> tuple[subprocess.Popen, str]:
     """``python -m hybridflow.retrieval serve`` on a free port; returns the process and its /retrieve URL
     once ``GET /health`` answers."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from hybridflow.utils.ports import find_free_port
+
+    port = find_free_port()
     command = [sys.executable, "-m", "hybridflow.retrieval", "serve", "--corpus", str(corpus)]
     command += ["--host", "127.0.0.1", "--port", str(port)]
     server = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)

@@ -29,13 +29,6 @@ def configure_torch_threads() -> int:
     return threads
 
 
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 class Worker:
     """Base class of worker-group members: rank facts, process group setup, dispatch metadata."""
 

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 
 from hybridflow.trainer.config import load_config
 from hybridflow.trainer.main_ppo import run_ppo
+from hybridflow.utils.ports import find_free_port
 from tests.tiny_run import as_overrides, tiny_run_values
 
 KEY = "teacher-key"
@@ -26,9 +27,7 @@ KEY = "teacher-key"
 
 def _consecutive_ports() -> int:
     for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = find_free_port()
         try:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", port + 1))

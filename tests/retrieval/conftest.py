@@ -5,7 +5,6 @@ import contextlib
 import http.server
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -13,6 +12,8 @@ import time
 
 import httpx
 import pytest
+
+from hybridflow.utils.ports import find_free_port
 
 CORPUS = [
     {"id": "paris", "contents": "Paris\nParis is the capital and largest city of France."},
@@ -26,9 +27,7 @@ LIMITS = {"topk_max": 5, "max_queries": 4, "max_request_bytes": 4096}
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return find_free_port()
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,6 @@ import), plus a small server that answers junk."""
 import contextlib
 import http.server
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,11 +14,11 @@ import time
 import httpx
 import pytest
 
+from hybridflow.utils.ports import find_free_port
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return find_free_port()
 
 
 _SERVER: dict = {}  # the one server process of the session, started when this conftest is collected

@@ -2,7 +2,6 @@
 start ``python -m hybridflow.serve`` as its own process and wait until it is healthy."""
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -10,6 +9,8 @@ from pathlib import Path
 
 import httpx
 import torch
+
+from hybridflow.utils.ports import find_free_port
 
 QUESTION = [{"role": "user", "content": "What is 2 + 3? Use the add tool."}]
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
@@ -53,9 +54,7 @@ def teach_tool_call(model_dir: Path) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return find_free_port()
 
 
 def start_server(model_dir: str, *extra: str, timeout_s: float = 120) -> tuple[subprocess.Popen, str]:

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from hybridflow import keys
 from hybridflow.protocol import DataProto
-from hybridflow.single_controller.worker import find_free_port
+from hybridflow.utils.ports import find_free_port
 from hybridflow.workers.reward_model_worker import (
     RewardModelWorker,
     last_valid_positions,

@@ -29,8 +29,8 @@ from hybridflow.single_controller.ray.nodes import (
     pin_to_node,
     schedulable_nodes,
 )
-from hybridflow.single_controller.worker import find_free_port
 from hybridflow.utils.device import worker_env
+from hybridflow.utils.ports import find_free_port
 
 
 class WorkerDiedError(RuntimeError):

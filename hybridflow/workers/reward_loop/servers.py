@@ -21,18 +21,13 @@ from __future__ import annotations
 
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from hybridflow.utils.ports import find_free_port
 
 
 class RewardModelServers:
@@ -95,7 +90,7 @@ class RewardModelServers:
         return cls(path, replicas, server_args=tuple(args), threads=threads, log_dir=log_dir)
 
     def _spawn(self, module: str, args: list[str], name: str) -> tuple[subprocess.Popen, str]:
-        port = free_port()
+        port = find_free_port()
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "HF_HUB_OFFLINE": "1"}
         log = self.log_dir / f"{name}-{port}.log"
         with open(log, "w") as out:  # a file, not a pipe nobody drains

@@ -13,7 +13,6 @@ import datetime
 import os
 import random
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 
@@ -21,13 +20,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hybridflow.utils.ports import find_free_port
+
 VOCAB = 128
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return find_free_port()
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from hybridflow.utils.ports import find_free_port
 from hybridflow.workers.rollout.multi_turn import _ToolSession
 from hybridflow.workers.rollout.tools import mcp_client
 from hybridflow.workers.rollout.tools.mcp_base_tool import MCPBaseTool
@@ -52,9 +53,7 @@ BASE_TOOL_CONFIG = """tools:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return find_free_port()
 
 
 def start_servers(*specs: tuple[str, str]):
