@@ -279,9 +279,13 @@ def serve_requests(
     """Serve ``server``'s requests with ``engine`` until it says stop and nothing is in flight.
 
     While the engine has work, it exchanges with the server (a Ray round trip) at most every
-    ``exchange_interval_s``, stepping in between: a tiny model's decode step takes a few milliseconds,
-    about what the round trip costs, so exchanging every step spent a third of a rollout on it
-    (measured, ``benchmarks/long_tail.py``). New requests and finished outputs wait at most that long.
+    ``exchange_interval_s`` and keeps stepping while the exchange is in flight: its reply (new requests,
+    aborts) is taken at the first step after it arrives, so a round trip never stalls decoding. A tiny
+    model's decode step takes a few milliseconds, about what a round trip costs on a busy 2-core machine
+    (1-5 ms measured), so waiting for each one spent a quarter of a rollout on it
+    (``benchmarks/long_tail.py``). New requests and finished outputs wait at most about one interval
+    plus one round trip. With nothing to step, the engine waits for the reply (the server holds an
+    ``idle`` exchange up to ``wait_s`` for new work).
 
     ``engine``: :class:`~hybridflow.workers.rollout.engine.LLMEngine` or
     :class:`~hybridflow.workers.rollout.vllm_rollout.engine.VLLMEngine` (``add_request``, ``step``,
@@ -293,18 +297,18 @@ def serve_requests(
     import ray
 
     stats, start = ServeStats(), time.perf_counter()
-    finished: list[dict] = []
+    finished: list[dict] = []  # outputs not yet sent
+    in_flight = None  # the exchange sent and not yet answered (at most one)
     last_exchange = float("-inf")
-    while True:
-        busy = engine.has_unfinished()
-        if busy and time.perf_counter() - last_exchange < exchange_interval_s:
-            finished.extend(_output(result, weight_version) for result in engine.step())
-            stats.steps += 1
-            continue
-        reply = ray.get(server.exchange.remote(finished, idle=not busy, wait_s=wait_s))
-        last_exchange = time.perf_counter()
+
+    def send(idle: bool):
+        nonlocal finished, last_exchange
+        ref = server.exchange.remote(finished, idle=idle, wait_s=wait_s)
+        finished, last_exchange = [], time.perf_counter()
         stats.exchanges += 1
-        finished = []
+        return ref
+
+    def take(reply: dict) -> None:
         for request_id, prompt_ids, sampling, images in reply["new"]:
             try:
                 params = request_params(defaults, sampling, len(prompt_ids), engine.max_model_len)
@@ -321,11 +325,28 @@ def serve_requests(
             if result is not None:
                 stats.aborted += 1
                 finished.append(_output(result, weight_version))
+
+    while True:
         if engine.has_unfinished():
+            if in_flight is not None and ray.wait([in_flight], timeout=0)[0]:
+                take(ray.get(in_flight))
+                in_flight = None
+            if in_flight is None and time.perf_counter() - last_exchange >= exchange_interval_s:
+                in_flight = send(idle=False)
             finished.extend(_output(result, weight_version) for result in engine.step())
             stats.steps += 1
-        elif reply["stop"] and not finished:
-            break
+            continue
+        # nothing to step: the reply decides what comes next (new work, or stop)
+        if in_flight is None:
+            in_flight = send(idle=True)
+        reply = ray.get(in_flight)
+        in_flight = None
+        take(reply)
+        if not engine.has_unfinished() and not finished:
+            if reply["stop"]:
+                break
+        elif not engine.has_unfinished():  # outputs to send (errors, aborts): send them now
+            in_flight = send(idle=True)
     stats.seconds = time.perf_counter() - start
     return dataclasses.asdict(stats)
 

@@ -145,8 +145,10 @@ def test_new_samples_go_to_the_least_busy_replica_and_their_turns_stick(replicas
     assert manager.sent[chosen["s0"]] == 4 and sum(manager.sent) == 7
 
 
-def _single_turn_loop(server_manager, tokenizer):
-    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"response_length": 24}}, "data": {}})
+def _single_turn_loop(server_manager, tokenizer, response_length: int = 24):
+    config = OmegaConf.create(
+        {"actor_rollout_ref": {"rollout": {"response_length": response_length}}, "data": {}}
+    )
     return SingleTurnAgentLoop(DictConfigWrap(config), server_manager, tokenizer)
 
 
@@ -160,27 +162,30 @@ def test_a_preempted_sample_resumes_exactly_like_an_uninterrupted_one(replicas, 
     tokenizer = load_tokenizer(tiny_model_dir)
     fields = {"raw_prompt_ids": [5, 6, 7, 8], "sample_id": "whole"}
     params = {"temperature": 1.0, "seed": 1234, "seed_sample": 1, "ignore_eos": True}
+    # long enough that the abort lands mid-flight however fast the engine decodes (it takes effect an
+    # exchange or two after it is sent: tens of milliseconds; a tiny model decodes a token in ~1 ms)
+    length = MAX_LEN - 8
 
     async def run():
-        whole = await _single_turn_loop(manager, tokenizer).run(params, **fields)
+        whole = await _single_turn_loop(manager, tokenizer, length).run(params, **fields)
         task = asyncio.create_task(
-            _single_turn_loop(manager, tokenizer).run(params, **{**fields, "sample_id": "cut"})
+            _single_turn_loop(manager, tokenizer, length).run(params, **{**fields, "sample_id": "cut"})
         )
         await asyncio.to_thread(
             _wait_until, lambda: any(len(s.token_ids) >= 5 for s in list(engine._running))
         )
         await manager.abort("cut")
         partial = await task
-        resumed = await _single_turn_loop(manager, tokenizer).run(
+        resumed = await _single_turn_loop(manager, tokenizer, length).run(
             params, **{**fields, "partial_output": partial}
         )
         return whole, partial, resumed
 
     whole, partial, resumed = asyncio.run(run())
-    assert partial.extra_fields["is_partial"] and 5 <= len(partial.response_ids) < 24
+    assert partial.extra_fields["is_partial"] and 5 <= len(partial.response_ids) < length
     assert partial.metrics.num_preempted == 1
     assert not resumed.extra_fields["is_partial"] and resumed.metrics.num_preempted == 1
-    assert resumed.response_ids == whole.response_ids and len(whole.response_ids) == 24
-    assert resumed.response_mask == whole.response_mask == [1] * 24
+    assert resumed.response_ids == whole.response_ids and len(whole.response_ids) == length
+    assert resumed.response_mask == whole.response_mask == [1] * length
     assert resumed.response_logprobs == pytest.approx(whole.response_logprobs, abs=1e-5)
     assert resumed.prompt_ids == whole.prompt_ids == [5, 6, 7, 8]
