@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from hybridflow.utils.ports import find_free_port
+from hybridflow.utils.ports import find_free_port as _free_port
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -260,10 +260,6 @@ def probe(args, out: Path) -> None:
     fine_tune(
         base, weak_sft, out / "probe" / "student", marks[-1], args.seed, on_save={m: report(m) for m in marks}
     )
-
-
-def _free_port() -> int:
-    return find_free_port()
 
 
 def serve_teacher(out: Path, port: int) -> subprocess.Popen:

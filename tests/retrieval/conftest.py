@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from hybridflow.utils.ports import find_free_port
+from hybridflow.utils.ports import find_free_port as free_port
 
 CORPUS = [
     {"id": "paris", "contents": "Paris\nParis is the capital and largest city of France."},
@@ -24,10 +24,6 @@ CORPUS = [
     {"id": "curie", "contents": "Marie Curie\nMarie Curie won Nobel Prizes in physics and in chemistry."},
 ]
 LIMITS = {"topk_max": 5, "max_queries": 4, "max_request_bytes": 4096}
-
-
-def free_port() -> int:
-    return find_free_port()
 
 
 @pytest.fixture(scope="session")

@@ -14,12 +14,7 @@ import time
 import httpx
 import pytest
 
-from hybridflow.utils.ports import find_free_port
-
-
-def free_port() -> int:
-    return find_free_port()
-
+from hybridflow.utils.ports import find_free_port as free_port
 
 _SERVER: dict = {}  # the one server process of the session, started when this conftest is collected
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from hybridflow.utils.ports import find_free_port
+from hybridflow.utils.ports import find_free_port as _free_port
 
 QUESTION = [{"role": "user", "content": "What is 2 + 3? Use the add tool."}]
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
@@ -51,10 +51,6 @@ def teach_tool_call(model_dir: Path) -> None:
         if loss.item() < 1e-3:
             break
     model.save_pretrained(model_dir)
-
-
-def _free_port() -> int:
-    return find_free_port()
 
 
 def start_server(model_dir: str, *extra: str, timeout_s: float = 120) -> tuple[subprocess.Popen, str]:

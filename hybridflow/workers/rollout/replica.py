@@ -341,12 +341,9 @@ def serve_requests(
             in_flight = send(idle=True)
         reply = ray.get(in_flight)
         in_flight = None
-        take(reply)
-        if not engine.has_unfinished() and not finished:
-            if reply["stop"]:
-                break
-        elif not engine.has_unfinished():  # outputs to send (errors, aborts): send them now
-            in_flight = send(idle=True)
+        take(reply)  # outputs it made (errors, aborts) go with the next exchange, sent at once when idle
+        if reply["stop"] and not engine.has_unfinished() and not finished:
+            break
     stats.seconds = time.perf_counter() - start
     return dataclasses.asdict(stats)
 

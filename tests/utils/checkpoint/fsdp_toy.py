@@ -20,13 +20,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hybridflow.utils.ports import find_free_port
+from hybridflow.utils.ports import find_free_port as free_port
 
 VOCAB = 128
-
-
-def free_port() -> int:
-    return find_free_port()
 
 
 @contextlib.contextmanager

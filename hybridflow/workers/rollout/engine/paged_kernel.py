@@ -84,8 +84,8 @@ static inline v8f load8_bf16(const uint16_t* p) {
     memcpy(&x, &u, 32);
     return x;
 }
-/* bytes from p into the cache ahead of their use (locality 3: keep in L1; 2: L2) */
-#define prefetch_keys(p, bytes, locality)                                                              \
+/* bytes from p into the cache ahead of their use (locality 2: L2; 1: the outer caches) */
+#define prefetch_range(p, bytes, locality)                                                              \
     do {                                                                                               \
         const char* from_ = (const char*)(p);                                                          \
         for (int64_t at_ = 0; at_ < (bytes); at_ += 64) __builtin_prefetch(from_ + at_, 0, (locality)); \
@@ -194,8 +194,8 @@ void NAME(const float* q, const T* kpool, const T* vpool, const int64_t* table, 
                     const int64_t off = first % bs;                                                    \
                     const int64_t at = (h1 * num_blocks + row1[first / bs]) * bs + off;                \
                     n = first - off + bs < len1 ? bs - off : len1 - first;                             \
-                    prefetch_keys(kpool + at * hd, n * hd * (int64_t)sizeof(T), 2);                    \
-                    prefetch_keys(vpool + at * hd, n * hd * (int64_t)sizeof(T), 1);                    \
+                    prefetch_range(kpool + at * hd, n * hd * (int64_t)sizeof(T), 2);                    \
+                    prefetch_range(vpool + at * hd, n * hd * (int64_t)sizeof(T), 1);                    \
                 }                                                                                      \
             }                                                                                          \
             for (int64_t first = lo, n = 0; first < len; first += n) {  /* n: keys in first's block */ \

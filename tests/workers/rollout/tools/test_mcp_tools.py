@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.utils.ports import find_free_port
+from hybridflow.utils.ports import find_free_port as free_port
 from hybridflow.workers.rollout.multi_turn import _ToolSession
 from hybridflow.workers.rollout.tools import mcp_client
 from hybridflow.workers.rollout.tools.mcp_base_tool import MCPBaseTool
@@ -50,10 +50,6 @@ BASE_TOOL_CONFIG = """tools:
     mcp:
       mcp_servers_config_path: {servers}
 """
-
-
-def free_port() -> int:
-    return find_free_port()
 
 
 def start_servers(*specs: tuple[str, str]):
