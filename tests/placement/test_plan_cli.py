@@ -88,9 +88,17 @@ def profile_path(tiny_model_dir, tmp_path):
     return path
 
 
+def _ranking_rows(out: str) -> list[str]:
+    """The ranking's rows: the lines after its header (a line another thread of this test process
+    printed before it must not shift them; seen once under pytest-xdist)."""
+    lines = out.strip().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["rank", "s/step", "workers"])
+    return lines[header + 1 :]
+
+
 def test_plan_prints_the_hand_derived_ranking(tiny_model_dir, profile_path, capsys):
     plan_placement.main(_args(tiny_model_dir, profile_path))
-    lines = capsys.readouterr().out.strip().splitlines()[1:]
+    lines = _ranking_rows(capsys.readouterr().out)
     assert len(lines) == len(EXPECTED)
     for line, (seconds, placement) in zip(lines, EXPECTED, strict=True):
         rank, predicted, workers, rest = line.split(maxsplit=3)
@@ -108,7 +116,7 @@ def test_device_memory_rules_out_placements_that_do_not_fit(tiny_model_dir, prof
     assert activations > activation_bytes(load, "ref", 1, 1)
     budget_gb = (30 * load.params["actor_rollout"] + activations) / 2**30 / 0.9
     plan_placement.main([*_args(tiny_model_dir, profile_path), "--device-memory-gb", str(budget_gb)])
-    lines = capsys.readouterr().out.strip().splitlines()[1:]
+    lines = _ranking_rows(capsys.readouterr().out)
     assert [line.split(maxsplit=3)[3].split("  (")[0] for line in lines] == [
         "actor_rollout+ref on actor_rollout_ref [1]; critic on critic [1]",
         "actor_rollout+ref+critic on actor_rollout_ref_critic [2]",
