@@ -168,13 +168,14 @@ class LLMServer:
         return len(self._futures)
 
     # ------------------------------------------------------------------ the engine side
-    async def exchange(self, finished: list[dict], idle: bool, wait_s: float = 0.5) -> dict:
-        """Called by :func:`serve_requests` once per engine step: ``finished`` outputs in, the new
-        requests, the aborts and whether to stop out. When the engine is ``idle`` this waits up to
-        ``wait_s`` for work."""
-        for output in finished:
-            self._resolve(output)
-        if idle and not (self._queue or self._aborts or self._stop):
+    async def exchange(
+        self, finished: list[dict], idle: bool, wait_s: float = 0.5, hold: bool = False
+    ) -> dict:
+        """Called by :func:`serve_requests`: ``finished`` outputs in, the new requests, the aborts and
+        whether to stop out. When the engine is ``idle``, or asks to ``hold`` (it keeps stepping while
+        this call is in flight), this waits up to ``wait_s`` for news: a request, an abort or a stop."""
+        self.deliver(finished)
+        if (idle or hold) and not (self._queue or self._aborts or self._stop):
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), wait_s)
@@ -185,6 +186,11 @@ class LLMServer:
         aborts = sorted(self._aborts)
         self._aborts.clear()
         return {"new": new, "abort": aborts, "stop": self._stop}
+
+    def deliver(self, finished: list[dict]) -> None:
+        """Finished outputs from the engine, sent while an exchange is held: each request returns."""
+        for output in finished:
+            self._resolve(output)
 
     def _resolve(self, output: dict) -> None:
         future = self._futures.get(output["request_id"])
@@ -261,11 +267,12 @@ class ServeStats:
     aborted: int = 0
     steps: int = 0
     exchanges: int = 0
+    deliveries: int = 0  # one-way calls with finished outputs while an exchange was held
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
 
 
-EXCHANGE_INTERVAL_S = 0.01  # while the engine is busy, at most one exchange with the server per this
+EXCHANGE_INTERVAL_S = 0.01  # after a stop, while requests still run: at most one exchange per this
 
 
 def serve_requests(
@@ -278,14 +285,16 @@ def serve_requests(
 ) -> dict:
     """Serve ``server``'s requests with ``engine`` until it says stop and nothing is in flight.
 
-    While the engine has work, it exchanges with the server (a Ray round trip) at most every
-    ``exchange_interval_s`` and keeps stepping while the exchange is in flight: its reply (new requests,
-    aborts) is taken at the first step after it arrives, so a round trip never stalls decoding. A tiny
-    model's decode step takes a few milliseconds, about what a round trip costs on a busy 2-core machine
-    (1-5 ms measured), so waiting for each one spent a quarter of a rollout on it
-    (``benchmarks/long_tail.py``). New requests and finished outputs wait at most about one interval
-    plus one round trip. With nothing to step, the engine waits for the reply (the server holds an
-    ``idle`` exchange up to ``wait_s`` for new work).
+    One exchange with the server (a Ray round trip) is always in flight, and the server holds it until
+    it has news for the engine (new requests, aborts, stop) or ``wait_s`` passes; the engine keeps
+    stepping meanwhile and takes the reply at the first step after it arrives, so neither a round trip
+    nor a quiet server ever stalls decoding. Outputs that finish while the exchange is held go to the
+    server at once in a one-way :meth:`LLMServer.deliver` call. So the Ray calls follow the requests,
+    not the steps: before, an exchange every ~10 ms of stepping (a tiny model's step takes a few) was a
+    round trip on the cores the engines decode on; holding it took a 200-step burst of 16 requests from
+    ~120 exchanges to ~40 and the long-tail workload's server mode from 0.98x to 1.10x sync
+    (``benchmarks/long_tail.py``, 2 cores). After a stop with requests still running, exchanges come
+    at most every ``exchange_interval_s`` (the server answers those at once).
 
     ``engine``: :class:`~hybridflow.workers.rollout.engine.LLMEngine` or
     :class:`~hybridflow.workers.rollout.vllm_rollout.engine.VLLMEngine` (``add_request``, ``step``,
@@ -299,11 +308,11 @@ def serve_requests(
     stats, start = ServeStats(), time.perf_counter()
     finished: list[dict] = []  # outputs not yet sent
     in_flight = None  # the exchange sent and not yet answered (at most one)
-    last_exchange = float("-inf")
+    last_exchange, stopping = float("-inf"), False
 
     def send(idle: bool):
         nonlocal finished, last_exchange
-        ref = server.exchange.remote(finished, idle=idle, wait_s=wait_s)
+        ref = server.exchange.remote(finished, idle=idle, wait_s=wait_s, hold=True)
         finished, last_exchange = [], time.perf_counter()
         stats.exchanges += 1
         return ref
@@ -329,18 +338,29 @@ def serve_requests(
     while True:
         if engine.has_unfinished():
             if in_flight is not None and ray.wait([in_flight], timeout=0)[0]:
-                take(ray.get(in_flight))
-                in_flight = None
-            if in_flight is None and time.perf_counter() - last_exchange >= exchange_interval_s:
+                reply = ray.get(in_flight)
+                in_flight, stopping = None, reply["stop"]
+                take(reply)
+            if in_flight is None and (
+                not stopping or time.perf_counter() - last_exchange >= exchange_interval_s
+            ):
                 in_flight = send(idle=False)
             finished.extend(_output(result, weight_version) for result in engine.step())
             stats.steps += 1
+            if finished and in_flight is not None:  # the exchange is held: these go one way, now
+                server.deliver.remote(finished)
+                finished = []
+                stats.deliveries += 1
             continue
         # nothing to step: the reply decides what comes next (new work, or stop)
         if in_flight is None:
             in_flight = send(idle=True)
+        elif finished:
+            server.deliver.remote(finished)
+            finished = []
+            stats.deliveries += 1
         reply = ray.get(in_flight)
-        in_flight = None
+        in_flight, stopping = None, reply["stop"]
         take(reply)  # outputs it made (errors, aborts) go with the next exchange, sent at once when idle
         if reply["stop"] and not engine.has_unfinished() and not finished:
             break

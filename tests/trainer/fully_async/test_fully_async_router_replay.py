@@ -12,6 +12,7 @@ import pytest
 
 from tests.trainer.fully_async.test_fully_async_e2e import (  # noqa: F401  (mixed_length_data: a fixture)
     _metrics,
+    _pause_mid_generation,
     _run_fully_async,
     _values,
     mixed_length_data,
@@ -25,7 +26,13 @@ def test_fully_async_trains_an_moe_with_r3_through_partial_rollouts(
     moe_model_dir,  # noqa: F811
     mixed_length_data,  # noqa: F811
     tmp_path,
+    monkeypatch,
 ):
+    # every sample waits 3 s before it generates and every sync's pause waits for a request in flight, so
+    # some sync aborts samples mid-generation however fast this machine decodes (test_fully_async_e2e)
+    loop = "tests.workers.rollout.verl_style_agent_loops.SlowSingleTurnAgentLoop"
+    (tmp_path / "loops.yaml").write_text(f"- name: slow\n  _target_: {loop}\n  delay_s: 3.0\n  every: 1\n")
+    aborted = _pause_mid_generation(monkeypatch)
     values = _values(
         moe_model_dir,
         mixed_length_data,
@@ -38,11 +45,14 @@ def test_fully_async_trains_an_moe_with_r3_through_partial_rollouts(
             "async_training.partial_rollout": True,
             "async_training.use_rollout_log_probs": False,
             "trainer.total_training_steps": 4,
-            "data.max_response_length": 40,
+            "data.max_response_length": 96,
             "actor_rollout_ref.rollout.ignore_eos": True,  # long samples: a sync lands while they run
+            "actor_rollout_ref.rollout.agent.agent_loop_config_path": str(tmp_path / "loops.yaml"),
+            "actor_rollout_ref.rollout.agent.default_agent_loop": "slow",
         },
     )
     _run_fully_async(values, tmp_path)
+    assert any(aborted), aborted  # some sync did find requests in flight
     metrics = _metrics(tmp_path, "moe_r3")
     assert sorted(metrics) == [1, 2, 3, 4]
     for record in metrics.values():

@@ -21,7 +21,7 @@ MAX_LEN = 96
 class Replica:
     """A real engine on the tiny model, served from a thread until :meth:`close`."""
 
-    def __init__(self, model_dir: str, name: str) -> None:
+    def __init__(self, model_dir: str, name: str, wait_s: float = 0.05) -> None:
         from transformers import AutoModelForCausalLM
 
         module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -34,12 +34,12 @@ class Replica:
         self.server = ray.remote(num_cpus=0, max_concurrency=1000)(LLMServer).remote(name)
         defaults = SamplingParams(max_new_tokens=16, temperature=1.0)
         self.stats: dict = {}
-        self.thread = threading.Thread(target=self._serve, args=(defaults,), daemon=True)
+        self.thread = threading.Thread(target=self._serve, args=(defaults, wait_s), daemon=True)
         self.thread.start()
 
-    def _serve(self, defaults) -> None:
+    def _serve(self, defaults, wait_s: float) -> None:
         with torch.no_grad():
-            self.stats = serve_requests(self.engine, self.server, defaults, wait_s=0.05)
+            self.stats = serve_requests(self.engine, self.server, defaults, wait_s=wait_s)
 
     def close(self) -> dict:
         ray.get(self.server.stop_serving.remote())
@@ -111,6 +111,46 @@ def test_a_bad_request_fails_alone_and_the_replica_keeps_serving(replicas):
     with pytest.raises(ReplicaError, match="unknown sampling_params"):
         ray.get(_generate(server, "odd", [5, 6], beam_width=4))
     assert len(ray.get(_generate(server, "fine", [5, 6], max_tokens=4, ignore_eos=True)).token_ids) == 4
+
+
+def test_a_held_exchange_returns_with_the_first_request_and_outputs_go_one_way():
+    """The server holds a busy engine's exchange until it has news (the engine keeps stepping), and the
+    outputs that finish meanwhile reach their callers through :meth:`LLMServer.deliver`."""
+    server = LLMServer("replica 9")
+
+    async def run():
+        held = asyncio.create_task(server.exchange([], idle=False, wait_s=5.0, hold=True))
+        await asyncio.sleep(0.05)
+        assert not held.done()  # nothing new: still held
+        caller = asyncio.create_task(
+            server.generate("a", prompt_ids=[5, 6], sampling_params={"max_tokens": 2})
+        )
+        reply = await asyncio.wait_for(held, 1.0)  # the request ends the hold at once
+        assert [entry[0] for entry in reply["new"]] == ["a"] and not reply["stop"]
+        quiet = await server.exchange([], idle=False, wait_s=0.05, hold=True)  # no news: the wait ends it
+        assert quiet == {"new": [], "abort": [], "stop": False}
+        server.deliver(
+            [{"request_id": "a", "token_ids": [7, 8], "log_probs": [-0.1, -0.2], "finish_reason": "length"}]
+        )
+        return await asyncio.wait_for(caller, 1.0)
+
+    output = asyncio.run(run())
+    assert output.token_ids == [7, 8] and output.stop_reason == "length"
+
+
+def test_the_serve_loop_exchanges_per_request_not_per_step(ray_session, tiny_model_dir):
+    """Busy, the loop keeps one exchange held at the server instead of one per step: a burst of 8
+    requests of 64 tokens takes far fewer exchanges than engine steps."""
+    replica = Replica(tiny_model_dir, "replica 8", wait_s=0.5)
+    try:
+        outputs = ray.get(
+            [_generate(replica.server, f"b{i}", [5 + i, 6], max_tokens=64, ignore_eos=True) for i in range(8)]
+        )
+    finally:
+        stats = replica.close()
+    assert [len(o.token_ids) for o in outputs] == [64] * 8
+    assert stats["requests"] == 8 and stats["steps"] >= 60
+    assert stats["exchanges"] < stats["steps"] / 4, stats  # one per 10 ms of steps before: ~steps / 2
 
 
 def test_a_failed_replica_raises_for_every_waiting_request(ray_session):
