@@ -108,6 +108,7 @@ MODULE_TABLE: dict[str, str | tuple[str, ...]] = {
     "verl.tools": "hybridflow.workers.rollout.tools",
     "verl.tools.base_tool": "hybridflow.workers.rollout.tools.base_tool",
     "verl.tools.gsm8k_tool": "hybridflow.workers.rollout.tools.gsm8k_tool",
+    "verl.tools.schemas": "hybridflow.workers.rollout.tools.schemas",
     "verl.tools.sandbox_fusion_tools": "hybridflow.workers.rollout.tools.sandbox_fusion_tool",
     "verl.tools.search_tool": "hybridflow.workers.rollout.tools.search_tool",
     "verl.tools.utils.search_r1_like_utils": "hybridflow.workers.rollout.tools.search_r1_like_utils",

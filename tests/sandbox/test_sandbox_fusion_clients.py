@@ -222,6 +222,75 @@ def test_a_server_that_is_down_slow_or_junk_costs_one_call(tmp_path, junk_server
     assert results == [-1] and metadata[0]["status"] == "api_error" and metadata[0]["api_request_error"]
 
 
+CODE_SCORER = """
+from hybridflow.utils.reward_score import default_compute_score
+
+def score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    url = "{url}"
+    return default_compute_score(data_source, solution_str, ground_truth, extra_info, sandbox_fusion_url=url)
+"""
+
+
+def test_a_down_or_junk_server_is_counted_in_the_reward_never_silent(
+    tmp_path, junk_server, run_code_url, caplog
+):
+    """A codecontests row scored on a server nobody listens on, or one that answers junk: the failed
+    cases score 0 as before, and the result carries ``sandbox_error`` into the reward's extra info (the
+    reward manager's columns, the validation metrics, the reward loop's failure count), with one
+    warning naming the URL. A healthy server's result is verl's float, unchanged."""
+    from hybridflow.models.tiny import build_tokenizer
+    from hybridflow.tasks.arithmetic import task_texts
+    from hybridflow.trainer.ppo.metric_utils import process_validation_metrics
+    from hybridflow.utils.ports import find_free_port
+    from hybridflow.workers.reward_loop import RewardLoop
+    from tests.workers.reward_manager.test_reward_managers import make_batch
+
+    completion = "```python\nprint(input())\n```"
+    cases = json.dumps({"inputs": ["7", "8"], "outputs": ["7", "8"]})
+    down = f"http://127.0.0.1:{find_free_port()}/run_code"
+    caplog.set_level("WARNING", logger="hybridflow.utils.reward_score.sandbox_fusion")
+    for url in (down, f"{junk_server}/junk", f"{junk_server}/list", down):
+        result = default_compute_score("codecontests", completion, cases, sandbox_fusion_url=url)
+        assert result == {"score": 0.0, "sandbox_error": 2.0}, (url, result)
+    warned = [r.getMessage() for r in caplog.records if down in r.getMessage()]
+    assert len(warned) == 1 and "gave no verdict on 2 of 2 test cases" in warned[0], warned
+    assert "ConnectError" in warned[0]
+    # the success path is verl's: a float, no extra keys
+    healthy = default_compute_score("codecontests", completion, cases, sandbox_fusion_url=run_code_url)
+    assert healthy == 1.0 and type(healthy) is float
+
+    # the reward manager bound to the down server: a column per sample; a row without code scores 0.0
+    # as verl's (no call made), so the column holds None there
+    tokenizer = build_tokenizer(task_texts(n=300))
+    batch = make_batch(tokenizer, [completion, "no code"], [cases, cases], t_r=32, data_source="codecontests")
+    reward_model = OmegaConf.create({"reward_manager": "naive", "sandbox_fusion": {"url": down}})
+    manager = build_reward_manager(reward_model, None, tokenizer=tokenizer, num_examine=0)
+    out = manager(batch, return_dict=True)
+    assert out["reward_tensor"].sum().item() == 0.0
+    assert out["reward_extra_info"]["sandbox_error"] == [2.0, None]
+    # validation files it as an aux metric of the code source (the None row is no sample of it)
+    metrics = process_validation_metrics(
+        ["codecontests"] * 2, ["u0", "u0"], {"reward": [0.0, 0.0], **out["reward_extra_info"]}
+    )
+    assert metrics["codecontests"]["sandbox_error"]["mean@1"] == 2.0
+    assert metrics["codecontests"]["reward"]["mean@2"] == 0.0
+
+    # the reward loop counts the samples in reward/failures/sandbox_error
+    path = tmp_path / "scorer.py"
+    path.write_text(CODE_SCORER.format(url=down))
+    config = OmegaConf.create(
+        {
+            "reward_model": {"reward_manager": "naive", "reward_kwargs": {}},
+            "custom_reward_function": {"path": str(path), "name": "score"},
+            "data": {"max_response_length": 32},
+        }
+    )
+    loop = RewardLoop(config, tokenizer)
+    assert loop(batch, return_dict=True)["reward_extra_info"]["sandbox_error"] == [2.0, None]
+    failures = loop.pop_metrics()
+    assert failures["reward/failures/sandbox_error"] == 1 and failures["reward/failures/error"] == 0
+
+
 def test_verl_import_paths_reach_these_implementations():
     from hybridflow import verl_compat
 

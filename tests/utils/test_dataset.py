@@ -184,6 +184,45 @@ def test_collate_fn_feeds_dataproto(tokenizer, arithmetic_files):
     assert list(data.non_tensor_batch["data_source"]) == ["hybridflow/arithmetic"] * 4
 
 
+def test_interaction_kwargs_travel_from_extra_info_to_the_rollouts_columns(tokenizer, tmp_path):
+    """verl's ``extra_info.interaction_kwargs`` in a parquet row reaches the field each rollout reads:
+    the rollout workers' ``interaction_kwargs`` column (:func:`interaction_columns`) and the agent loops'
+    ``extra_info`` (:func:`interaction_kwargs_of`); the interaction starts with them."""
+    import asyncio
+
+    from hybridflow.trainer.ppo.rollouts import rollout_input
+    from hybridflow.workers.rollout.agent_loop.tool_agent import interaction_kwargs_of
+    from hybridflow.workers.rollout.interactions.gsm8k_interaction import CORRECT, Gsm8kInteraction
+    from hybridflow.workers.rollout.multi_turn import interaction_columns
+
+    kwargs = {"name": "gsm8k", "query": "What is 2 + 2?", "ground_truth": "4"}
+    with_kwargs, without = row("What is 2 + 2?", index=0), row("What is 3 + 3?", index=1)
+    with_kwargs["extra_info"]["interaction_kwargs"] = kwargs
+    path = write(tmp_path, [with_kwargs, without])
+    dataset = RLHFDataset(path, tokenizer, {"max_prompt_length": 48, "return_raw_chat": True})
+    first, second = dataset[0], dataset[1]
+    assert first["interaction_kwargs"] == kwargs and first["extra_info"]["interaction_kwargs"] == kwargs
+    assert second["interaction_kwargs"] == {}  # parquet fills the missing struct with null
+
+    prompts = DataProto.from_single_dict(collate_fn([first, second]))
+    # the rollout workers' input (the sync multi-turn rollout, vLLM's): the column and the chat
+    _, gen_input = rollout_input(prompts, 2, {}, all_fields=False)
+    rows_kwargs, chats = interaction_columns(gen_input)
+    assert rows_kwargs == [kwargs, kwargs, None, None]  # n=2, interleaved; {} is "no interaction"
+    assert chats[0] == [{"role": "user", "content": "What is 2 + 2?"}]
+    # the agent loops' input: every field, extra_info included
+    _, all_fields = rollout_input(DataProto.from_single_dict(collate_fn([first])), 1, {}, all_fields=True)
+    fields = {key: values[0] for key, values in all_fields.non_tensor_batch.items()}
+    assert interaction_kwargs_of(fields) == kwargs
+
+    async def reply():
+        user = Gsm8kInteraction({"name": "gsm8k"})
+        sample = await user.start_interaction("s0", **rows_kwargs[0])
+        return await user.generate_response(sample, [*chats[0], {"role": "assistant", "content": "#### 4"}])
+
+    assert asyncio.run(reply()) == (True, CORRECT, 1.0, {})
+
+
 def test_collate_keeps_equal_length_lists_one_per_row():
     out = collate_fn([{"ids": [1, 2], "t": torch.zeros(2)}, {"ids": [3, 4], "t": torch.ones(2)}])
     assert out["ids"].shape == (2,) and out["ids"][1] == [3, 4] and out["t"].shape == (2, 2)

@@ -35,6 +35,72 @@ def test_verl_paths_are_aliases_of_our_modules(alias):
     assert sys.modules["verl.trainer.ppo.core_algos"] is not ours  # an alias module, not our module
 
 
+def test_verls_tool_schemas_import_with_verls_fields(alias):
+    """``from verl.tools.schemas import ...`` in a tool written for verl (verl/tools/schemas.py)."""
+    from verl.tools.schemas import (
+        OpenAIFunctionCallSchema,
+        OpenAIFunctionParametersSchema,
+        OpenAIFunctionParsedSchema,
+        OpenAIFunctionPropertySchema,
+        OpenAIFunctionSchema,
+        OpenAIFunctionToolCall,
+        OpenAIFunctionToolSchema,
+        ToolResponse,
+    )
+
+    from hybridflow.workers.rollout.tools import schemas as ours
+    from hybridflow.workers.rollout.tools.base_tool import ToolSchema
+
+    assert OpenAIFunctionToolSchema is ours.OpenAIFunctionToolSchema and ToolResponse is ours.ToolResponse
+    fields = {
+        OpenAIFunctionPropertySchema: ["type", "description", "enum"],
+        OpenAIFunctionParametersSchema: ["type", "properties", "required"],
+        OpenAIFunctionSchema: ["name", "description", "parameters", "strict"],
+        OpenAIFunctionToolSchema: ["type", "function"],
+        OpenAIFunctionParsedSchema: ["name", "arguments"],
+        OpenAIFunctionCallSchema: ["name", "arguments"],
+        OpenAIFunctionToolCall: ["id", "type", "function"],
+        ToolResponse: ["text", "image", "video"],
+    }
+    for model, names in fields.items():
+        assert list(model.model_fields) == names, model
+    schema = OpenAIFunctionToolSchema.model_validate(
+        {
+            "type": "function",
+            "function": {
+                "name": "search",
+                "description": "look it up",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"query": {"type": "string", "description": "words"}},
+                    "required": ["query"],
+                },
+            },
+        }
+    )
+    assert schema.function.strict is False and schema.function.parameters.properties["query"].enum is None
+    assert OpenAIFunctionSchema(name="f", description="").parameters.model_dump() == {
+        "type": "object", "properties": {}, "required": [],
+    }  # fmt: skip
+    parsed = OpenAIFunctionParsedSchema(name="search", arguments='{"query": "x"}')
+    call, bad = OpenAIFunctionCallSchema.from_openai_function_parsed_schema(parsed)
+    assert (call.arguments, bad) == ({"query": "x"}, False)
+    for junk in ("{oops", "[1, 2]"):
+        call, bad = OpenAIFunctionCallSchema.from_openai_function_parsed_schema(
+            OpenAIFunctionParsedSchema(name="search", arguments=junk)
+        )
+        assert (call.arguments, bad) == ({}, True)
+    assert OpenAIFunctionToolCall(id="c1", function=call).type == "function"
+    assert ToolResponse().is_empty() and ToolResponse(text="hi").is_text_only()
+    assert not ToolResponse(text="hi", image=["png"]).is_text_only()
+    with pytest.raises(ValueError, match="image must be a list"):
+        ToolResponse(image="png")
+    # our tools' schema reads as verl's, and a verl schema builds one of ours
+    ours_schema = ToolSchema.from_dict(schema.model_dump(exclude_none=True))
+    assert ours_schema.function == schema.function and ours_schema.type == "function"
+    assert ToolSchema.from_dict(schema) == ours_schema and ours_schema.model_dump() == ours_schema.to_dict()
+
+
 def test_verls_bypass_mode_loss_is_the_registered_one(alias):
     from verl.trainer.ppo.core_algos import compute_policy_loss_bypass_mode, get_policy_loss_fn
 

@@ -276,7 +276,8 @@ def process_validation_metrics(
 ) -> dict[str, dict[str, dict[str, float]]]:
     """verl's validation statistics: ``{data_source: {var_name: {metric_name: value}}}``.
 
-    Rows sharing a uid are the N samples of one prompt. Every numeric variable of ``infos_dict``
+    Rows sharing a uid are the N samples of one prompt (a row whose value is None does not count for
+    that variable). Every numeric variable of ``infos_dict``
     (``reward``, ``acc``, extra reward infos; string columns such as ``pred`` are skipped) gets the
     per-prompt metrics of :func:`_prompt_metrics` (``mean@N``, ``std@N``, ``best@n/mean``,
     ``best@n/std``, ``worst@n/...``, ``maj@n/...`` when ``infos_dict["pred"]`` holds the answers),
@@ -292,11 +293,13 @@ def process_validation_metrics(
         per_var: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         for prompt_rows in uid2rows.values():
             for var, values in infos_dict.items():
-                vals = [values[i] for i in prompt_rows]
-                if not _is_numeric(vals[0]):
+                # None: a row whose scorer did not give this key (a dict only on some rows: a code
+                # row's sandbox_error); the prompt's other rows are this variable's samples
+                kept = [i for i in prompt_rows if values[i] is not None]
+                if not kept or not _is_numeric(values[kept[0]]):
                     continue
-                prompt_preds = None if preds is None else [preds[i] for i in prompt_rows]
-                vals = [float(v) for v in vals]
+                prompt_preds = None if preds is None else [preds[i] for i in kept]
+                vals = [float(values[i]) for i in kept]
                 for name, value in _prompt_metrics(vals, prompt_preds, seed).items():
                     per_var[var][name].append(value)
         out[source] = {

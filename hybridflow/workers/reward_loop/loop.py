@@ -24,7 +24,8 @@ into ``reward_kwargs.reward_router_address``): the function gets that address an
 
 Metrics (:meth:`pop_metrics`): ``reward/<source>/mean`` per source (``rule``, ``genrm``, ``disrm``),
 ``reward/judge_latency_p50_s``/``p95_s`` (each answered HTTP request to a served model), ``reward/retries``,
-``reward/failures/<kind>`` (samples scored 0 after a ``timeout`` or an ``error``), ``reward/samples``;
+``reward/failures/<kind>`` (samples scored 0 after a ``timeout`` or an ``error``; ``sandbox_error``: samples
+a SandboxFusion server gave no verdict on, at least in part), ``reward/samples``;
 colocated, ``reward/judge_wake_s``, ``reward/judge_freed_kv_gb`` and ``reward/judge_rss_freed_gb`` (what
 the judge's sleep released: its KV tensors, and its processes' resident set).
 """
@@ -46,6 +47,10 @@ from hybridflow.utils.served_client import CallStats, recording
 from hybridflow.workers.reward_loop.registry import get_reward_manager_cls
 from hybridflow.workers.reward_manager.dapo import cfg_get
 from hybridflow.workers.reward_manager.naive import score_positions
+
+# a sample's extras counted in reward/failures/<kind>: a limited manager's timeout or error, and the
+# SandboxFusion scorer's sandbox_error (a server that gave no verdict on some of its test cases)
+FAILURE_KINDS = ("timeout", "error", "sandbox_error")
 
 
 def manager_class(config) -> type:
@@ -158,7 +163,7 @@ class RewardLoop:
         with self._lock:
             self._calls.merge(calls)
             self._scores.setdefault(self.source, []).append(float(result["reward_score"]))
-            for kind in ("timeout", "error"):
+            for kind in FAILURE_KINDS:
                 if extras.get(kind):
                     self._failures[kind] += 1
         return result
@@ -221,7 +226,7 @@ class RewardLoop:
         self._judge_metrics = {}
         metrics["reward/samples"] = float(sum(len(v) for v in scores.values()))
         metrics["reward/retries"] = float(retries)
-        for kind in ("timeout", "error"):
+        for kind in FAILURE_KINDS:
             metrics[f"reward/failures/{kind}"] = float(failures.get(kind, 0))
         if calls.latencies_s:
             metrics["reward/judge_latency_p50_s"] = percentile(calls.latencies_s, 50)

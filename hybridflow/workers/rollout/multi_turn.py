@@ -394,6 +394,22 @@ class _UserSession:
             await finalize(self.interaction, instance_id)
 
 
+_MEDIA_WARNED: set[str] = set()  # tools whose images/videos were dropped (warned once each)
+
+
+def response_text(response: Any, tool_name: str = "") -> str:
+    """The text of a tool's response: a string as it is, verl's ``ToolResponse`` its ``text`` ("" when
+    None). Its images and videos are not rendered in the tool turn (a warning, once per tool)."""
+    if isinstance(response, str):
+        return response
+    if all(hasattr(response, key) for key in ("text", "image", "video")):  # verl's ToolResponse
+        if (response.image or response.video) and tool_name not in _MEDIA_WARNED:
+            _MEDIA_WARNED.add(tool_name)
+            logger.warning("tool %r returned images or videos: only its text enters the tool turn", tool_name)
+        return "" if response.text is None else str(response.text)
+    return str(response)
+
+
 class _ToolSession:
     """One sample's tool instances, created on first use with ``tools_kwargs[name]["create_kwargs"]``,
     and its interaction (``user``; None without one)."""
@@ -431,11 +447,13 @@ class _ToolSession:
         except Exception as error:  # a broken tool is the model's feedback, not a crashed rollout
             return f"Error: tool {name} failed: {type(error).__name__}: {error}", False
         self.step_rewards += reward
-        return str(text), not (isinstance(metrics, dict) and metrics.get("error"))
+        return response_text(text, call.name), not (isinstance(metrics, dict) and metrics.get("error"))
 
     async def _run(self, call: ToolCall, tool: BaseTool) -> tuple:
         if call.name not in self.instances:
-            self.instances[call.name] = await tool.create(**self._kwargs(call.name, "create"))
+            created = await tool.create(**self._kwargs(call.name, "create"))
+            # verl's tools return (instance_id, ToolResponse); ours the id
+            self.instances[call.name] = created[0] if isinstance(created, tuple) else created
         return await tool.execute(
             self.instances[call.name], call.arguments, **self._kwargs(call.name, "execute")
         )

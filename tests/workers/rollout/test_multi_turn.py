@@ -227,6 +227,60 @@ def test_concurrent_conversations_keep_their_order(setup):
         )
 
 
+VERL_TOOL_YAML = """
+tools:
+  - class_name: "tests.workers.rollout.tools.verl_written_tool.MultiplyTool"
+    config: {type: native}
+    tool_schema:
+      type: "function"
+      function:
+        name: "multiply"
+        description: "a * b"
+        parameters:
+          type: "object"
+          properties:
+            a: {type: "integer", description: "first factor"}
+            b: {type: "integer", description: "second factor"}
+          required: ["a", "b"]
+"""
+
+
+def test_a_tool_written_for_verl_runs_unchanged_through_the_alias(setup, tmp_path):
+    """verl's tool contract: the schema read as an OpenAIFunctionToolSchema, ``create`` returning
+    ``(instance_id, ToolResponse)``, ``execute`` a ``ToolResponse`` whose text is the tool turn."""
+    from hybridflow import verl_compat
+    from hybridflow.workers.rollout.multi_turn import response_text
+    from hybridflow.workers.rollout.tools.registry import load_tools, tool_schemas
+
+    path = tmp_path / "tools.yaml"
+    path.write_text(VERL_TOOL_YAML)
+    assert verl_compat.install()
+    try:
+        from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+
+        tools = load_tools(str(path))
+    finally:
+        verl_compat.uninstall()
+    tool = tools["multiply"]
+    assert tool.described == "multiply: a * b"
+    schema = tool_schemas(tools)[0]  # a dict for the chat template, as verl's model_dump gives it
+    assert OpenAIFunctionToolSchema.model_validate(schema).function.parameters.required == ["a", "b"]
+    properties = schema["function"]["parameters"]["properties"]
+    assert properties["a"] == {"type": "integer", "description": "first factor"}
+    assert response_text(ToolResponse()) == "" and response_text("plain") == "plain"
+
+    tokenizer, loop = _loop(setup, list(tools.values()))
+    call = '<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>'
+    params = SamplingParams(logits_processor=Script(tokenizer, [call, "The answer is 42"]))
+    tools_kwargs = {"multiply": {"create_kwargs": {"expected": 42}}}
+    conv = asyncio.run(loop.run(_prompt(tokenizer, "What is 6 * 7?"), params, tools_kwargs))
+    tool_turn = tokenizer.decode([t for t, m in zip(conv.response_ids, conv.response_mask) if m == 0])
+    assert "product=42" in tool_turn and "ToolResponse" not in tool_turn and "text=" not in tool_turn
+    assert (conv.tool_calls, conv.tool_failures) == (1, 0)
+    assert conv.tool_reward == pytest.approx(1.25)  # the step reward, then calc_reward on the instance
+    assert len(tool.released) == 1 and isinstance(tool.released[0], str)  # the id, not verl's tuple
+
+
 def test_truncate_text_sides():
     text = "abcdefghijklmnopqrstuvwxyz" * 4
     for side in ("left", "right", "middle"):

@@ -12,19 +12,24 @@ The data sources verl scores this way — ``codecontests``, ``apps``, ``codeforc
 registered with ``default_compute_score`` (:func:`code_contests_score`). With the server's URL
 (``reward_model.sandbox_fusion.url`` in the trainer config, or ``sandbox_fusion_url=`` when calling
 ``default_compute_score``) they run there; without one they fall back, as in verl, to
-:mod:`hybridflow.utils.reward_score.prime_code`, which runs them in this machine's sandbox.
+:mod:`hybridflow.utils.reward_score.prime_code`, which runs them in this machine's sandbox. A server
+that is down or answers junk is never silent: such a row scores its passed cases and returns a dict with
+``sandbox_error`` (:func:`code_contests_score`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 from typing import Any
 
 from hybridflow.utils.reward_score.registry import register_scorer
-from hybridflow.utils.reward_score.sandbox_fusion.utils import check_correctness
+from hybridflow.utils.reward_score.sandbox_fusion.utils import check_correctness, is_sandbox_fault
 
 logger = logging.getLogger(__name__)
+_WARNED_URLS: set[str] = set()  # servers whose faults were logged (once per URL and process)
+_WARNED_LOCK = threading.Lock()
 
 CONTINUOUS_CASES = 10  # continuous=True scores the first this many cases
 CODE_DATA_SOURCES = ("codecontests", "apps", "codeforces", "taco")
@@ -98,19 +103,46 @@ def code_contests_score(
     sandbox_fusion_url: str | None = None,
     concurrent_semaphore: Any = None,
     memory_limit_mb: int | None = None,
-) -> float:
+) -> float | dict[str, float]:
     """verl's ``default_compute_score`` branch for code data sources: the pass rate of the first 10 test
     cases in ``ground_truth``, on the SandboxFusion server at ``sandbox_fusion_url``, else in the local
-    sandbox by :mod:`~hybridflow.utils.reward_score.prime_code`."""
+    sandbox by :mod:`~hybridflow.utils.reward_score.prime_code`.
+
+    The pass rate is a float, as verl's. When the server gave no verdict on some cases (down, slow,
+    answering junk or its own ``SandboxError``: :func:`.utils.is_sandbox_fault`), those cases count as
+    failed and the result is ``{"score": pass rate, "sandbox_error": number of such cases}``, so that the
+    reward manager carries ``sandbox_error`` in its extra info (a per-sample column; the reward loop's
+    ``reward/failures/sandbox_error`` metric), and a warning names the URL (once per URL and process)."""
     if not sandbox_fusion_url:
         from hybridflow.utils.reward_score import prime_code
 
         return float(prime_code.compute_score(solution_str, ground_truth, continuous=True)[0])
     memory = DEFAULT_MEMORY_LIMIT_MB if memory_limit_mb is None else memory_limit_mb
-    score, _ = compute_score(
+    score, metadata = compute_score(
         sandbox_fusion_url, concurrent_semaphore, memory, solution_str, ground_truth, continuous=True
     )
-    return float(score)
+    faults = [case for case in metadata if is_sandbox_fault(case)]
+    if not faults:
+        return float(score)
+    _warn_once(str(sandbox_fusion_url), len(faults), len(metadata), faults[0])
+    return {"score": float(score), "sandbox_error": float(len(faults))}
+
+
+def _warn_once(url: str, faults: int, cases: int, first: dict) -> None:
+    with _WARNED_LOCK:
+        if url in _WARNED_URLS:
+            return
+        _WARNED_URLS.add(url)
+    reason = first.get("api_request_error") or first.get("status")
+    logger.warning(
+        "sandbox_fusion: the SandboxFusion server at %s gave no verdict on %d of %d test cases (%s); "
+        "they count as failed, and the reward's extra info counts them in 'sandbox_error' "
+        "(warned once per URL)",
+        url,
+        faults,
+        cases,
+        reason,
+    )
 
 
 __all__ = ["CODE_DATA_SOURCES", "check_correctness", "code_contests_score", "compute_score", "extract_code"]

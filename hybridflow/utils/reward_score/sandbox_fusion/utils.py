@@ -50,6 +50,13 @@ SUPPORTED_LANGUAGES = [
 ]  # fmt: skip
 
 RESULT_SANDBOX_ERROR, RESULT_RUNTIME_ERROR, RESULT_TIMEOUT, RESULT_COMPILE_ERROR = -1, -2, -3, -4
+# a case's metadata status when the server gave no verdict on the code (down, junk, its own error)
+SANDBOX_FAULT_STATUSES = frozenset(
+    {
+        "api_error", "sandbox_error", "malformed_response", "unexpected_success_state",
+        "unknown_failure_state", "unknown_failure", "internal_error",
+    }
+)  # fmt: skip
 
 
 def call_sandbox_api(
@@ -107,6 +114,16 @@ def call_sandbox_api(
             return None, f"API Call Failed: API Response is not a JSON object: {response.text[:300]}"
         return data, None
     return None, f"API Call Failed: {error}"
+
+
+def is_sandbox_fault(metadata: Any) -> bool:
+    """Whether a case's metadata says the server, not the code, failed: the call failed (down, slow,
+    not JSON), or the server answered a ``SandboxError`` or something that is not a SandboxFusion
+    answer (result ``-1``)."""
+    status = metadata.get("status") if isinstance(metadata, dict) else None
+    return isinstance(status, str) and (
+        status in SANDBOX_FAULT_STATUSES or status.startswith("unknown_api_status_")
+    )
 
 
 def empty_metadata(case_index: int, stdin: str | None, expected_output: Any) -> dict[str, Any]:

@@ -28,6 +28,8 @@ class ToolSchema:
 
     @classmethod
     def from_dict(cls, schema: dict[str, Any]) -> ToolSchema:
+        if hasattr(schema, "model_dump"):  # verl's OpenAIFunctionToolSchema (a pydantic model)
+            schema = schema.model_dump(exclude_none=True)
         function = schema.get("function", schema)
         if "name" not in function:
             raise ValueError(f"tool schema has no function name: {schema!r}")
@@ -50,6 +52,22 @@ class ToolSchema:
     def required(self) -> list[str]:
         return list(self.parameters.get("required", []))
 
+    # verl's OpenAIFunctionToolSchema reads, for tools written for verl (``self.tool_schema.function.name``)
+    @property
+    def type(self) -> str:
+        return "function"
+
+    @property
+    def function(self):
+        """This schema's function as verl's ``OpenAIFunctionSchema`` (needs pydantic)."""
+        from hybridflow.workers.rollout.tools.schemas import OpenAIFunctionSchema
+
+        return OpenAIFunctionSchema.model_validate(self.to_dict()["function"])
+
+    def model_dump(self, **kwargs) -> dict[str, Any]:
+        """verl's ``tool_schema.model_dump(...)``: the dict of :meth:`to_dict` (keyword options ignored)."""
+        return self.to_dict()
+
 
 class BaseTool:
     """Subclass and override :meth:`execute` (and :meth:`create`/:meth:`calc_reward`/:meth:`release`
@@ -57,6 +75,8 @@ class BaseTool:
 
     def __init__(self, config: dict[str, Any], tool_schema: ToolSchema) -> None:
         self.config = dict(config or {})
+        if not isinstance(tool_schema, ToolSchema):  # a dict, or verl's OpenAIFunctionToolSchema
+            tool_schema = ToolSchema.from_dict(tool_schema)
         self.tool_schema = tool_schema
         self.name = tool_schema.name
 

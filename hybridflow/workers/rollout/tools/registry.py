@@ -85,7 +85,17 @@ def check_tool_config(path: str) -> None:
 def tool_schemas(tools: Mapping[str, BaseTool] | Iterable[BaseTool]) -> list[dict[str, Any]]:
     """OpenAI function schemas of ``tools`` (a ``load_tools`` dict or a list) for chat templates."""
     values = tools.values() if isinstance(tools, Mapping) else tools
-    return [tool.get_openai_tool_schema() for tool in values]
+    return [_schema_dict(tool.get_openai_tool_schema()) for tool in values]
+
+
+def _schema_dict(schema: Any) -> dict[str, Any]:
+    """A tool's schema as a dict: a verl tool's ``get_openai_tool_schema`` returns a schema object (its
+    ``tool_schema``: our ToolSchema, or verl's pydantic ``OpenAIFunctionToolSchema``), as verl's does."""
+    if isinstance(schema, ToolSchema):
+        return schema.to_dict()
+    if hasattr(schema, "model_dump"):
+        return schema.model_dump(exclude_unset=True, exclude_none=True)
+    return schema
 
 
 def resolve_tool_class(class_name: str) -> type[BaseTool]:
