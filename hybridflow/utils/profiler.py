@@ -12,6 +12,7 @@ Files (``{save_path}`` as the driver resolved it, absolute)::
       profile_continuous_steps  step{A}-{B}_prof_rank-{rank}.json.gz  (consecutive listed steps A..B)
       tool_config.torch.discrete  step{N}_{phase}_prof_rank-{rank}.json.gz  (a second call: {phase}-2, ...)
     tool=torch_memory (CUDA)  {save_path}/{role}/step{N}_memory_snapshot_rank-{rank}.pickle
+    tool=nsys (CUDA)          Nsight Systems' reports, {save_path}/nsys/worker_process_{pid}*.nsys-rep
 
 A torch trace is Chrome-trace JSON (gzipped): Perfetto (ui.perfetto.dev), chrome://tracing and
 TensorBoard open it. A memory snapshot opens at pytorch.org/memory_viz.
@@ -22,6 +23,13 @@ ran in it, and is written once, then linked under every enabled role's directory
 ``torch.profiler.record_function`` as the trainer names them in ``timing_s/*``: ``gen``,
 ``old_log_prob``, ``ref``, ``values``, ``update_actor``, ``update_critic`` (:func:`annotate`). In
 discrete mode each call of an enabled role's phase gets a trace of its own, nothing between calls.
+
+``tool=nsys``: the processes of the profiled roles' worker groups run under ``nsys profile`` (Ray's
+nsight runtime_env plugin, with verl's ``worker_nsight_options``: :func:`nsight_options`), capturing
+only between ``torch.cuda.profiler.start()`` and ``stop()`` (``capture-range=cudaProfilerApi``). A
+session opens that range at its start and closes it at its finish (``discrete``: around each phase
+call of an enabled role); phases are NVTX ranges with the same names. Nsight Systems writes the
+reports itself, one per capture range, so no file is returned here.
 """
 
 from __future__ import annotations
@@ -30,12 +38,18 @@ import contextlib
 import functools
 import os
 import pickle
+import re
 import shutil
 from dataclasses import dataclass
 
-TOOLS = ("torch", "torch_memory")
+TOOLS = ("torch", "torch_memory", "nsys")
+DISCRETE_TOOLS = ("torch", "nsys")  # the tools with a per-phase-call (``discrete``) mode
 TORCH_CONTENTS = ("cpu", "cuda", "memory", "shapes", "stack")
 ROLES = ("actor", "rollout", "ref", "critic")
+# the phases of the roles' calls (:func:`annotate`): a discrete capture opens one range per call
+ROLE_PHASES = ("gen", "old_log_prob", "ref", "values", "update_actor", "update_critic")
+# what Ray's nsight plugin can put unquoted into the shell command that starts a worker
+SHELL_SAFE = re.compile(r"[\w@%+=:,./'-]*")
 
 
 @dataclass(frozen=True)
@@ -52,6 +66,7 @@ class RoleProfile:
     discrete: bool = False
     trace_alloc_max_entries: int = 100_000
     stack_depth: int = 32
+    report: str = ""  # tool=nsys: where Nsight Systems writes this process's reports (printed)
 
     def selects(self, rank: int) -> bool:
         return self.ranks is None or rank in self.ranks
@@ -65,6 +80,36 @@ def selected_ranks(all_ranks: bool, ranks) -> tuple[int, ...] | None:
     if all_ranks:
         return None
     return tuple(int(r) for r in ranks) if ranks else (0,)
+
+
+def nsight_options(options, save_path: str, steps, continuous: bool, discrete: bool) -> dict[str, str]:
+    """verl's ``worker_nsight_options`` as Ray's nsight plugin gets them (``nsys profile --{key}={value}``,
+    ``-{key} {value}`` for a one-letter key). ``o`` (the report) defaults to
+    ``{save_path}/nsys/worker_process_%p``, absolute: Ray keeps an absolute ``o`` and puts a relative
+    one under its session's ``logs/nsight/``. ``capture-range-end`` null becomes verl's
+    ``repeat-shutdown:N``, N the capture ranges a worker process opens: one per profile (a listed step,
+    or a run of consecutive ones with ``continuous``), or with ``discrete`` verl's ``len(steps) * 6``
+    (one range per phase call, six phases). Other null options are left out."""
+    options = dict(options or {})
+    if options.get("o") is None and options.get("output") is None:
+        options["o"] = os.path.join(save_path, "nsys", "worker_process_%p")
+    if options.get("capture-range-end") is None:
+        steps = sorted({int(s) for s in steps or ()})
+        if discrete:
+            ranges = len(steps) * len(ROLE_PHASES)  # verl: 6 * len(profile_steps)
+        elif continuous:
+            ranges = sum(1 for s in steps if s - 1 not in steps)
+        else:
+            ranges = len(steps)
+        options["capture-range-end"] = f"repeat-shutdown:{max(ranges, 1)}"
+    return {str(k): str(v) for k, v in options.items() if v is not None}
+
+
+def nsight_reports(options: dict) -> str:
+    """Where Nsight Systems writes the reports of a process started with ``options``."""
+    out = str(options.get("o") or options.get("output"))
+    where = out if os.path.isabs(out) else f"<Ray's session dir>/logs/nsight/{out}"
+    return f"{where}*.nsys-rep (%p: the worker's process id)"
 
 
 def torch_profiler(contents, device: str):
@@ -134,6 +179,10 @@ class _Session:
         if self.tool == "torch":
             self.prof = torch_profiler(self.profile.contents, self.device)  # the roles' (validated alike)
             self.prof.start()
+        elif self.tool == "nsys":
+            import torch
+
+            torch.cuda.profiler.start()  # opens Nsight's capture range (capture-range=cudaProfilerApi)
         else:
             import torch
 
@@ -151,6 +200,11 @@ class _Session:
             )
         import torch
 
+        if self.tool == "nsys":
+            torch.cuda.profiler.stop()
+            _nsys_written(f"step{steps}", self.rank, self.profile)
+            return []  # Nsight Systems writes the report
+
         torch.cuda.synchronize()
         snapshot = truncate_stacks(torch.cuda.memory._snapshot(), self.profile.stack_depth)
         torch.cuda.memory._record_memory_history(enabled=None)
@@ -161,6 +215,35 @@ class _Session:
 
         name = f"step{steps}_memory_snapshot_rank-{self.rank}.pickle"
         return _write_everywhere(write, [os.path.join(d, name) for d in directories])
+
+
+def _nsys_written(what: str, rank: int, profile: RoleProfile) -> None:
+    print(
+        f"hybridflow: nsys capture of {what} ended on rank {rank} (pid {os.getpid()}); Nsight Systems "
+        f"writes the report: {profile.report or 'see worker_nsight_options.o'}",
+        flush=True,
+    )
+
+
+@contextlib.contextmanager
+def nvtx_range(name: str):
+    """An NVTX range named ``name`` (what Nsight Systems shows for a phase)."""
+    import torch
+
+    torch.cuda.nvtx.range_push(name)
+    try:
+        yield
+    finally:
+        torch.cuda.nvtx.range_pop()
+
+
+def _named(name: str, tool: str):
+    """The phase ``name`` marked as ``tool`` shows it: an NVTX range (nsys) or a record_function."""
+    if tool == "nsys":
+        return nvtx_range(name)
+    import torch
+
+    return torch.profiler.record_function(name)
 
 
 _SESSION: _Session | None = None  # this process's open session (shared by its colocated roles)
@@ -185,7 +268,7 @@ class WorkerProfiler:
         if not self.mine:
             return []
         first = next(iter(self.mine.values()))
-        self.discrete = first.tool == "torch" and first.discrete
+        self.discrete = first.tool in DISCRETE_TOOLS and first.discrete
         if self.discrete:  # each phase call records itself (phase())
             return list(self.mine)
         opening = _SESSION is None
@@ -200,8 +283,14 @@ class WorkerProfiler:
         """End the profile begun by :meth:`start` (``step``: the last step it covers); returns the files
         written (by the last role of the process to stop)."""
         global _SESSION
-        mine, self.mine, self.step = self.mine, {}, None
-        if not mine or self.discrete or _SESSION is None:
+        mine, self.mine, last = self.mine, {}, self.step
+        self.step = None
+        if mine and self.discrete:  # each phase call recorded itself
+            first = next(iter(mine.values()))
+            if first.tool == "nsys" and self._calls:
+                _nsys_written(f"{sum(self._calls.values())} phase call(s) of step{last}", self.rank, first)
+            return []
+        if not mine or _SESSION is None:
             return []
         _SESSION.members.discard(id(self))
         if _SESSION.members:
@@ -211,12 +300,12 @@ class WorkerProfiler:
 
     @contextlib.contextmanager
     def phase(self, name: str, role: str | None):
-        """Name ``name`` in the process's trace; in discrete mode, record it to a file of its own when
-        ``role`` is profiled on this rank."""
+        """Name ``name`` in the process's trace; in discrete mode, record it on its own (a file, or an
+        Nsight capture range) when ``role`` is profiled on this rank."""
         import torch
 
         if _SESSION is not None:
-            with torch.profiler.record_function(name):
+            with _named(name, _SESSION.tool):
                 yield
             return
         if not (self.discrete and role in self.mine):
@@ -225,6 +314,14 @@ class WorkerProfiler:
         self._calls[name] = self._calls.get(name, 0) + 1
         call = name if self._calls[name] == 1 else f"{name}-{self._calls[name]}"
         profile = self.mine[role]
+        if profile.tool == "nsys":
+            torch.cuda.profiler.start()
+            try:
+                with nvtx_range(name):
+                    yield
+            finally:
+                torch.cuda.profiler.stop()
+            return
         prof = torch_profiler(profile.contents, self.device)
         prof.start()
         try:

@@ -1,5 +1,7 @@
 """verl's profiler in a worker process (hybridflow/utils/profiler.py), without Ray: which roles and ranks
-record, where the files go, what they are named, and that the phases are named in the traces."""
+record, where the files go, what they are named, and that the phases are named in the traces. The nsys
+tool's CUDA entry points (torch.cuda.profiler.start/stop, NVTX ranges) are recorded, not run: there is
+no GPU here."""
 
 import gzip
 import json
@@ -11,6 +13,8 @@ from hybridflow.utils.profiler import (
     RoleProfile,
     WorkerProfiler,
     annotate,
+    nsight_options,
+    nsight_reports,
     selected_ranks,
     torch_profiler,
     truncate_stacks,
@@ -142,3 +146,60 @@ def test_memory_snapshot_stacks_are_cut_to_stack_depth(depth):
     cut = truncate_stacks(snapshot, depth)
     assert cut["segments"][0]["blocks"][0]["frames"] == frames[:depth]
     assert cut["device_traces"][0][0]["frames"] == frames[:depth]
+
+
+@pytest.fixture()
+def cuda_calls(monkeypatch):
+    """torch.cuda.profiler.start/stop and the NVTX range calls, recorded instead of run (no CUDA here)."""
+    calls: list = []
+    monkeypatch.setattr(torch.cuda.profiler, "start", lambda: calls.append("start"))
+    monkeypatch.setattr(torch.cuda.profiler, "stop", lambda: calls.append("stop"))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: calls.append(f"push {name}"))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: calls.append("pop"))
+    return calls
+
+
+def test_nsys_opens_one_capture_range_per_profile_with_the_phases_named(tmp_path, cuda_calls, capsys):
+    actor, critic = FakeWorker(("actor", "rollout")), FakeWorker(("critic",))
+    profile = RoleProfile("nsys", str(tmp_path), report="/r/worker_process_%p*.nsys-rep")
+    profiles = {"actor": profile, "critic": profile}
+    actor.profiler.start(3, profiles), critic.profiler.start(3, profiles)  # colocated: one range
+    actor.generate(), actor.update_actor(), critic.values()
+    assert actor.profiler.stop(3) == [] and critic.profiler.stop(3) == []  # nsys writes the report
+    assert cuda_calls == [
+        "start",
+        "push gen",
+        "pop",
+        "push update_actor",
+        "pop",
+        "push values",
+        "pop",
+        "stop",
+    ]
+    assert _files(tmp_path) == []
+    assert "nsys capture of step3 ended on rank 0" in capsys.readouterr().out
+    actor.update_actor()  # after the profile: nothing
+    assert len(cuda_calls) == 8
+
+
+def test_nsys_discrete_opens_a_capture_range_per_phase_call_of_enabled_roles(tmp_path, cuda_calls, capsys):
+    worker = FakeWorker(("actor", "rollout"))
+    worker.profiler.start(1, {"actor": RoleProfile("nsys", str(tmp_path), discrete=True, report="/r")})
+    worker.update_actor()
+    worker.generate()  # the rollout is not enabled: not captured
+    worker.update_actor()
+    assert worker.profiler.stop(1) == []
+    assert cuda_calls == ["start", "push update_actor", "pop", "stop"] * 2
+    assert "nsys capture of 2 phase call(s) of step1 ended on rank 0" in capsys.readouterr().out
+
+
+def test_nsight_options_complete_verls_worker_options():
+    verls = {"trace": "cuda", "capture-range-end": None, "x": None}  # null: computed, or left out
+    options = nsight_options(verls, "/p", [5, 1], continuous=False, discrete=False)
+    assert options == {
+        "trace": "cuda",
+        "o": "/p/nsys/worker_process_%p",
+        "capture-range-end": "repeat-shutdown:2",
+    }
+    assert nsight_reports(options).startswith("/p/nsys/worker_process_%p*.nsys-rep")
+    assert nsight_reports({"o": "w_%p"}).startswith("<Ray's session dir>/logs/nsight/w_%p")

@@ -10,6 +10,7 @@ thread budget. The same code runs with ``use_gpu=False`` on a laptop and with GP
 
 from __future__ import annotations
 
+import copy
 import os
 import uuid
 
@@ -145,6 +146,14 @@ class RayClassWithInitArgs(ClassWithInitArgs):
         return self
 
 
+def worker_runtime_env(env_vars: dict[str, str], extra: dict | None = None) -> dict:
+    """A worker's Ray ``runtime_env``: its environment variables and the ``extra`` entries (a copy)."""
+    extra = copy.deepcopy(extra or {})
+    if "env_vars" in extra:
+        raise ValueError("runtime_env: pass the workers' environment variables as env, not env_vars")
+    return {"env_vars": env_vars, **extra}
+
+
 def _node_ip_of_bundle(pg: PlacementGroup, bundle_index: int) -> tuple[str, str]:
     """``(node_id, node_ip)`` hosting a placement group's bundle."""
     node_id = ray.util.placement_group_table(pg)["bundles_to_node_id"][bundle_index]
@@ -179,6 +188,8 @@ class RayWorkerGroup(WorkerGroup):
         name_prefix: names the group in actor names and error messages.
         num_threads: torch/OpenMP threads per worker process (keep workers x threads <= cores).
         env: extra environment variables for every worker.
+        runtime_env: extra entries of every worker's Ray ``runtime_env``, next to its ``env_vars``
+            (e.g. ``{"nsight": {...}}``: the worker process runs under ``nsys profile``).
     """
 
     def __init__(
@@ -188,6 +199,7 @@ class RayWorkerGroup(WorkerGroup):
         name_prefix: str | None = None,
         num_threads: int = 1,
         env: dict[str, str] | None = None,
+        runtime_env: dict | None = None,
         _workers: list | None = None,
         _role: str | None = None,
         _process_info_refs: dict | None = None,
@@ -197,7 +209,7 @@ class RayWorkerGroup(WorkerGroup):
         self.resource_pool = resource_pool
         self._spawn_options: list[dict] = []  # each rank's actor options (replace_worker starts it again)
         if _workers is None:
-            _workers = self._spawn(resource_pool, ray_cls_with_init, num_threads, env or {})
+            _workers = self._spawn(resource_pool, ray_cls_with_init, num_threads, env or {}, runtime_env)
         self._workers = _workers
         # Asked now, read on first use: creating the group does not wait for the processes to start
         # (the driver's own set-up overlaps their imports), and the answer is queued ahead of any
@@ -235,7 +247,12 @@ class RayWorkerGroup(WorkerGroup):
 
     # ------------------------------------------------------------------ spawning
     def _spawn(
-        self, pool: RayResourcePool, cls_with_init: RayClassWithInitArgs, num_threads: int, extra_env: dict
+        self,
+        pool: RayResourcePool,
+        cls_with_init: RayClassWithInitArgs,
+        num_threads: int,
+        extra_env: dict,
+        runtime_env: dict | None = None,
     ) -> list:
         pgs = pool.get_placement_groups()
         master_addr, master_port = _master_addr_port(pgs[0])
@@ -266,7 +283,7 @@ class RayWorkerGroup(WorkerGroup):
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(
                         placement_group=pg, placement_group_bundle_index=local_rank
                     ),
-                    "runtime_env": {"env_vars": env},
+                    "runtime_env": worker_runtime_env(env, runtime_env),
                     "name": f"{self.name}_rank{rank}_{uuid.uuid4().hex[:4]}",
                     **cls_with_init.ray_options,
                 }

@@ -76,7 +76,7 @@ LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
     "trainer.profile_steps": (
         (None,),
         "verl's older, Nsight-only key; use global_profiler.steps=[...] with global_profiler.tool=torch "
-        "and <role>.profiler.enable=true (docs/profiling.md)",
+        "(or nsys on CUDA) and <role>.profiler.enable=true (docs/profiling.md)",
     ),
 }
 

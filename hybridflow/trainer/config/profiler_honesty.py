@@ -1,18 +1,23 @@
 """Honest config for verl's profiler keys: ``global_profiler`` and each role's ``profiler`` section.
 
 What runs (:mod:`hybridflow.utils.profiler`, :mod:`hybridflow.trainer.ppo.step_profiler`): ``tool=torch``
-(torch.profiler Chrome traces, per step or per phase call with ``discrete``) and ``tool=torch_memory``
-(CUDA memory snapshots). Everything else is refused here, before Ray starts, one line per problem: the
-tools not built here (``nsys``, ``npu``), values of the wrong type, ranks a role does not have, a role
-enabled that the run does not build, and settings that would profile nothing.
+(torch.profiler Chrome traces, per step or per phase call with ``discrete``), ``tool=torch_memory``
+(CUDA memory snapshots) and ``tool=nsys`` (the workers under Nsight Systems: CUDA, with ``nsys`` on
+this machine's PATH). Everything else is refused here, before Ray starts, one line per problem: the
+tool not built here (``npu``), a tool the device or machine cannot run, values of the wrong type, ranks
+a role does not have, a role enabled that the run does not build, and settings that would profile
+nothing.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from hybridflow.trainer.config.parallelism import device_type
-from hybridflow.utils.profiler import TOOLS, TORCH_CONTENTS
+from hybridflow.utils.profiler import DISCRETE_TOOLS, SHELL_SAFE, TOOLS, TORCH_CONTENTS, nsight_options
 
 # profiler role -> (its config section, the fsdp_config whose pool runs it)
 ROLE_SECTIONS = {
@@ -22,12 +27,11 @@ ROLE_SECTIONS = {
     "critic": ("critic", "critic.model.fsdp_config"),
 }
 REFUSED_TOOLS = {
-    "nsys": "Nsight Systems is not built here (hybridflow does not start its workers under nsys); use "
-    "global_profiler.tool=torch, whose trace holds the CUDA kernels on CUDA (contents [cpu, cuda]), or "
-    "run the whole command under `nsys profile`",
     "npu": "Ascend NPUs are not supported; use global_profiler.tool=torch",
 }
 MEMORY_KEYS = ("trace_alloc_max_entries", "stack_depth")
+NSYS = "global_profiler.global_tool_config.nsys"
+NSIGHT_OPTIONS = ("controller_nsight_options", "worker_nsight_options")
 
 
 def _plain(value):
@@ -60,6 +64,62 @@ def _memory_problems(prefix: str, memory) -> list[str]:
     ]
 
 
+def _nsys_machine_problems(config: DictConfig) -> list[str]:
+    """``tool=nsys`` needs CUDA workers and Nsight Systems' CLI (and Ray's plugin starts each worker as
+    ``nsys profile ... python``: a ``python`` on PATH)."""
+    missing = []
+    if device_type(config) != "cuda":
+        missing.append(f"trainer.device={device_type(config)} is not cuda")
+    if shutil.which("nsys") is None:
+        missing.append("no nsys (Nsight Systems' CLI) on this machine's PATH")
+    elif shutil.which("python") is None:
+        missing.append("no `python` on PATH (Ray's nsight plugin runs `nsys profile ... python`)")
+    if not missing:
+        return []
+    return [
+        "global_profiler.tool=nsys runs the workers under Nsight Systems on CUDA, and here "
+        f"{' and '.join(missing)}: install Nsight Systems and run on CUDA, or use global_profiler.tool=torch "
+        "(its trace holds the CUDA kernels on CUDA)"
+    ]
+
+
+def _nsys_option_problems(profiler: dict, steps) -> list[str]:
+    """verl's ``controller_nsight_options`` / ``worker_nsight_options``: option name -> string or null."""
+    nsys = (profiler.get("global_tool_config") or {}).get("nsys") or {}
+    problems = []
+    for name in NSIGHT_OPTIONS:
+        options = nsys.get(name)
+        if options is None and name == "controller_nsight_options":
+            continue  # not applied (the driver is not a Ray actor): nothing to check
+        if not isinstance(options, dict):
+            problems.append(f"{NSYS}.{name}={options!r} must be a mapping of nsys option -> value")
+            continue
+        problems += [
+            f"{NSYS}.{name}.{key}={value!r} must be a string (nsys reads the value as text: quote it, "
+            "e.g. 'true') or null (left out)"
+            for key, value in options.items()
+            if not (isinstance(value, str) or value is None)
+        ]
+    worker = nsys.get("worker_nsight_options")
+    if problems or not isinstance(worker, dict):
+        return problems
+    if worker.get("capture-range") != "cudaProfilerApi":
+        problems.append(
+            f"{NSYS}.worker_nsight_options.capture-range={worker.get('capture-range')!r}: only "
+            "cudaProfilerApi (the workers open and close the capture at the profiled steps with "
+            "torch.cuda.profiler)"
+        )
+    save_path = os.path.abspath(os.path.expanduser(str(profiler.get("save_path"))))
+    for key, value in nsight_options(worker, save_path, steps or [], False, False).items():
+        if not (SHELL_SAFE.fullmatch(key) and SHELL_SAFE.fullmatch(value)):
+            where = "global_profiler.save_path gives" if key == "o" and "o" not in worker else "is"
+            problems.append(
+                f"{NSYS}.worker_nsight_options.{key} {where} {value!r}, which Ray's nsight plugin puts "
+                "unquoted into the shell command that starts a worker: use letters, digits and _@%+=:,./-"
+            )
+    return problems
+
+
 def _global_problems(config: DictConfig, profiler: dict) -> list[str]:
     tool, steps = profiler.get("tool"), profiler.get("steps")
     problems = _tool_problems("global_profiler.tool", tool)
@@ -80,6 +140,11 @@ def _global_problems(config: DictConfig, profiler: dict) -> list[str]:
         problems.append("global_profiler.save_path must be a directory path")
     memory = (profiler.get("global_tool_config") or {}).get("torch_memory") or {}
     problems += _memory_problems("global_profiler.global_tool_config.torch_memory", memory)
+    nsys = (profiler.get("global_tool_config") or {}).get("nsys") or {}
+    if not isinstance(nsys.get("discrete", False), bool):
+        problems.append(f"{NSYS}.discrete must be true or false")
+    if tool == "nsys":
+        problems += _nsys_machine_problems(config) + _nsys_option_problems(profiler, steps)
     if steps and tool is None:
         problems.append(
             f"global_profiler.steps={steps} is set but global_profiler.tool is null, so nothing is profiled: "
@@ -145,6 +210,9 @@ def _role_problems(config: DictConfig, role: str, profiler: dict, cfg: dict) -> 
         )
     if not isinstance(discrete, bool):
         problems.append(f"{key}.tool_config.torch.discrete must be true or false")
+    nsys_discrete = ((cfg.get("tool_config") or {}).get("nsys") or {}).get("discrete", False)
+    if not isinstance(nsys_discrete, bool):
+        problems.append(f"{key}.tool_config.nsys.discrete must be true or false")
     problems += _memory_problems(
         f"{key}.tool_config.torch_memory", (cfg.get("tool_config") or {}).get("torch_memory") or {}
     )
@@ -158,16 +226,31 @@ def _role_problems(config: DictConfig, role: str, profiler: dict, cfg: dict) -> 
         problems.append(f"{key}.enable=true, but {absent}: set it false")
     if profiler.get("steps") is None:
         problems.append(f"{key}.enable=true profiles nothing: global_profiler.steps is null; list the steps")
-    if discrete is True and global_tool == "torch_memory":
+    for name, value in (("torch", discrete), ("nsys", nsys_discrete)):
+        if value is True and global_tool is not None and global_tool != name:
+            why = (
+                f"reads tool_config.{global_tool}.discrete"
+                if global_tool in DISCRETE_TOOLS
+                else "dumps one snapshot per profiled step"
+            )
+            problems.append(
+                f"{key}.tool_config.{name}.discrete=true is the {name} tool's, and global_profiler.tool="
+                f"{global_tool} {why}: set it false"
+            )
+    if {"torch": discrete, "nsys": nsys_discrete}.get(global_tool) is True and profiler.get(
+        "profile_continuous_steps"
+    ) is True:
+        unit, verb = ("trace", "writes") if global_tool == "torch" else ("capture range", "opens")
         problems.append(
-            f"{key}.tool_config.torch.discrete=true is the torch tool's: torch_memory dumps one snapshot per "
-            "profiled step; set it false"
+            f"{key}.tool_config.{global_tool}.discrete=true {verb} a {unit} "
+            f"per phase call, and global_profiler.profile_continuous_steps=true one {unit} per run of steps "
+            "(verl refuses both too): set one of them false"
         )
-    if discrete is True and profiler.get("profile_continuous_steps") is True:
+    if global_tool == "nsys" and cfg.get("save_path") != profiler.get("save_path"):
         problems.append(
-            f"{key}.tool_config.torch.discrete=true writes a trace per phase call, and "
-            "global_profiler.profile_continuous_steps=true one trace per run of steps (verl refuses both "
-            "too): set one of them false"
+            f"{key}.save_path={cfg.get('save_path')!r}: with tool=nsys, Nsight Systems writes one report per "
+            "worker process (all its roles), under global_profiler.save_path/nsys/ unless "
+            f"{NSYS}.worker_nsight_options.o says otherwise; remove the role's save_path"
         )
     return problems
 
@@ -212,6 +295,7 @@ ROLLOUT_FOLLOWS = {
     "ranks": "actor_rollout_ref.actor.profiler.ranks",
     "tool_config.torch.contents": "actor_rollout_ref.actor.profiler.tool_config.torch.contents",
     "tool_config.torch.discrete": "actor_rollout_ref.actor.profiler.tool_config.torch.discrete",
+    "tool_config.nsys.discrete": "global_profiler.global_tool_config.nsys.discrete",
     "tool_config.torch_memory.trace_alloc_max_entries": (
         "global_profiler.global_tool_config.torch_memory.trace_alloc_max_entries"
     ),

@@ -21,6 +21,8 @@ FREE_FORM_KEYS = frozenset(
         "custom_cls",
         "resource_pool_spec",
         "role_pool_mapping",
+        "controller_nsight_options",  # nsys options (global_profiler.global_tool_config.nsys)
+        "worker_nsight_options",
     }
 )
 

@@ -261,6 +261,7 @@ def build_worker_groups(
     """One worker group per resource pool, holding the roles placed on it; returns the role views.
     The processes start in the background (the groups do not wait for them). ``hybrid=False``: the
     actor's workers hold no rollout engine (the asynchronous trainer generates on a pool of its own)."""
+    from hybridflow.trainer.ppo.step_profiler import nsight_runtime_env
     from hybridflow.utils.roles import reward_model_worker
 
     rm = reward_model_worker(config)
@@ -276,6 +277,8 @@ def build_worker_groups(
             name_prefix="hybridflow" if placement.is_colocated else f"hybridflow_{pool}",
             num_threads=int(config.trainer.num_threads_per_worker),
             env=env,
+            # global_profiler.tool=nsys: a pool holding a profiled role runs under `nsys profile`
+            runtime_env=nsight_runtime_env(config, [r for r, p in placement.mapping.items() if p == pool]),
         )
         views.update(pools[pool].spawn(on_pool.keys()))
     return WorkerGroups(
