@@ -83,6 +83,7 @@ REFUSED = [
             ("save_path", "/tmp/profile"),
             ("tool_config.torch.contents", ["cpu"]),
             ("tool_config.torch.discrete", True),
+            ("tool_config.nsys.discrete", True),
             ("tool_config.torch_memory.trace_alloc_max_entries", 5),
             ("tool_config.torch_memory.stack_depth", 5),
         )
