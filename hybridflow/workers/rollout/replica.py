@@ -169,7 +169,7 @@ class LLMServer:
 
     # ------------------------------------------------------------------ the engine side
     async def exchange(
-        self, finished: list[dict], idle: bool, wait_s: float = 0.5, hold: bool = False
+        self, finished: list[dict], idle: bool = False, wait_s: float = 0.5, hold: bool = False
     ) -> dict:
         """Called by :func:`serve_requests`: ``finished`` outputs in, the new requests, the aborts and
         whether to stop out. When the engine is ``idle``, or asks to ``hold`` (it keeps stepping while
@@ -310,12 +310,18 @@ def serve_requests(
     in_flight = None  # the exchange sent and not yet answered (at most one)
     last_exchange, stopping = float("-inf"), False
 
-    def send(idle: bool):
+    def send():
         nonlocal finished, last_exchange
-        ref = server.exchange.remote(finished, idle=idle, wait_s=wait_s, hold=True)
+        ref = server.exchange.remote(finished, wait_s=wait_s, hold=True)  # held until news, busy or not
         finished, last_exchange = [], time.perf_counter()
         stats.exchanges += 1
         return ref
+
+    def deliver() -> None:  # the exchange in flight is held: finished outputs go one way, now
+        nonlocal finished
+        server.deliver.remote(finished)
+        finished = []
+        stats.deliveries += 1
 
     def take(reply: dict) -> None:
         for request_id, prompt_ids, sampling, images in reply["new"]:
@@ -344,21 +350,17 @@ def serve_requests(
             if in_flight is None and (
                 not stopping or time.perf_counter() - last_exchange >= exchange_interval_s
             ):
-                in_flight = send(idle=False)
+                in_flight = send()
             finished.extend(_output(result, weight_version) for result in engine.step())
             stats.steps += 1
-            if finished and in_flight is not None:  # the exchange is held: these go one way, now
-                server.deliver.remote(finished)
-                finished = []
-                stats.deliveries += 1
+            if finished and in_flight is not None:
+                deliver()
             continue
         # nothing to step: the reply decides what comes next (new work, or stop)
         if in_flight is None:
-            in_flight = send(idle=True)
+            in_flight = send()
         elif finished:
-            server.deliver.remote(finished)
-            finished = []
-            stats.deliveries += 1
+            deliver()
         reply = ray.get(in_flight)
         in_flight, stopping = None, reply["stop"]
         take(reply)  # outputs it made (errors, aborts) go with the next exchange, sent at once when idle

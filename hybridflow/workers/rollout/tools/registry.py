@@ -91,11 +91,7 @@ def tool_schemas(tools: Mapping[str, BaseTool] | Iterable[BaseTool]) -> list[dic
 def _schema_dict(schema: Any) -> dict[str, Any]:
     """A tool's schema as a dict: a verl tool's ``get_openai_tool_schema`` returns a schema object (its
     ``tool_schema``: our ToolSchema, or verl's pydantic ``OpenAIFunctionToolSchema``), as verl's does."""
-    if isinstance(schema, ToolSchema):
-        return schema.to_dict()
-    if hasattr(schema, "model_dump"):
-        return schema.model_dump(exclude_unset=True, exclude_none=True)
-    return schema
+    return schema if isinstance(schema, dict) else ToolSchema.from_dict(schema).to_dict()
 
 
 def resolve_tool_class(class_name: str) -> type[BaseTool]:

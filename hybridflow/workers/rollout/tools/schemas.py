@@ -16,7 +16,7 @@ carry verl's fields:
 Our own tools take a :class:`~hybridflow.workers.rollout.tools.base_tool.ToolSchema`, which reads like an
 ``OpenAIFunctionToolSchema`` (``.type``, ``.function.name``, ``.model_dump()``), and may return a plain
 string; the rollout takes a ``ToolResponse``'s ``text`` (:mod:`hybridflow.workers.rollout.multi_turn`).
-pydantic comes with the ``serve`` extra (fastapi, fastmcp), as verl requires it.
+pydantic is a core dependency (the agent loops' messages use it too), as in verl.
 """
 
 from __future__ import annotations
