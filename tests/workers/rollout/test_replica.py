@@ -21,7 +21,7 @@ MAX_LEN = 96
 class Replica:
     """A real engine on the tiny model, served from a thread until :meth:`close`."""
 
-    def __init__(self, model_dir: str, name: str, wait_s: float = 0.05) -> None:
+    def __init__(self, model_dir: str, name: str, wait_s: float = 0.05, start: bool = True) -> None:
         from transformers import AutoModelForCausalLM
 
         module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -35,6 +35,11 @@ class Replica:
         defaults = SamplingParams(max_new_tokens=16, temperature=1.0)
         self.stats: dict = {}
         self.thread = threading.Thread(target=self._serve, args=(defaults, wait_s), daemon=True)
+        if start:
+            self.thread.start()
+
+    def start(self) -> None:
+        """Start serving (a replica made with ``start=False``: requests queue at its server until now)."""
         self.thread.start()
 
     def _serve(self, defaults, wait_s: float) -> None:
@@ -66,16 +71,25 @@ def _wait_until(condition, timeout_s: float = 20.0) -> None:
         time.sleep(0.005)
 
 
-def test_concurrent_requests_share_the_running_batch(replicas):
-    engine, server = replicas[0].engine, replicas[0].server
-    steps_before = engine.stats["decode_steps"]
-    outputs = ray.get(
-        [_generate(server, f"c{i}", [5 + i, 6, 7], max_tokens=16, ignore_eos=True) for i in range(8)]
-    )
+def test_concurrent_requests_share_the_running_batch(ray_session, tiny_model_dir):
+    # the requests wait at the server before its engine serves (no race with their arrival): the
+    # first exchange takes all 8, and every decode step then carries all of them
+    replica = Replica(tiny_model_dir, "batch", start=False)
+    try:
+        refs = [
+            _generate(replica.server, f"c{i}", [5 + i, 6, 7], max_tokens=16, ignore_eos=True)
+            for i in range(8)
+        ]
+        _wait_until(lambda: ray.get(replica.server.in_flight.remote()) == 8)
+        replica.start()
+        outputs = ray.get(refs)
+    finally:
+        stats = replica.close()
     assert [len(o.token_ids) for o in outputs] == [16] * 8
     assert all(len(o.log_probs) == 16 and o.stop_reason == "length" for o in outputs)
-    # 8 x 16 tokens one at a time would take 8 x 15 decode steps; batched they take about 15
-    assert engine.stats["decode_steps"] - steps_before < 40
+    # 8 x 16 tokens one request at a time would take 8 x 15 decode steps; in one batch, 15
+    assert replica.engine.stats["decode_steps"] == 15
+    assert stats["requests"] == 8
 
 
 def test_abort_returns_the_tokens_so_far(replicas):

@@ -167,3 +167,25 @@ def test_a_prompt_longer_than_the_model_length_is_refused(engine):
     with pytest.raises(ValueError, match="max_model_len=64"):
         engine.generate_batch([list(range(5, 70))], _params())
     assert not engine.has_unfinished()
+
+
+def test_vllm_starts_in_a_process_that_imported_llvmlite(vllm_model_dir):
+    """vLLM 0.32's kernel-rebinding scan over every module read ``vars(llvmlite.binding.ffi.lib)``, which
+    llvmlite answers with a C-function wrapper: a pytest worker that had imported numba (through an earlier
+    vLLM test) could start no vLLM after it. In a fresh process, so llvmlite stays out of this one."""
+    import subprocess
+    import sys
+
+    script = f"""
+import llvmlite.binding, torch
+from omegaconf import OmegaConf
+from hybridflow.workers.rollout.engine import SamplingParams
+from hybridflow.workers.rollout.vllm_rollout.config import start_vllm
+config = OmegaConf.create({{"max_num_seqs": 4, "kv_cache_memory_gb": 0.0625, "enforce_eager": True}})
+engine = start_vllm({vllm_model_dir!r}, config, torch.float32, max_model_len=64)
+result = engine.generate_batch([[5, 6, 7]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+print("tokens", len(result[0].completions[0].token_ids))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "tokens 4" in out.stdout

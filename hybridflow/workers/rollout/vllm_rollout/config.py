@@ -175,6 +175,7 @@ def start_vllm(
         raise RuntimeError(f"rollout.name=vllm: {'; '.join(problems)}")
     kv_bytes = kv_cache_bytes(config, hf_config, dtype, max_model_len, local_ranks)
     set_in_process_environment()
+    _llvmlite_answers_no_dunders()
     threads, set_threads = torch.get_num_threads(), torch.set_num_threads
     from vllm import LLM
 
@@ -187,6 +188,31 @@ def start_vllm(
     return VLLMEngine(
         llm, tie_word_embeddings=tied, max_model_len=max_model_len, seed=int(config.get("seed", 0))
     )
+
+
+def _llvmlite_answers_no_dunders() -> None:
+    """Let vLLM start in a process that has imported llvmlite (numba imports it, and some of vLLM's
+    own paths import numba: a pytest worker that ran other vLLM tests first had it).
+
+    vLLM 0.32's CPU worker rebinds kernels by scanning every module's namespace and reading
+    ``vars(value).get("kernel")`` of each value that has a ``__dict__``. llvmlite's library object
+    (``llvmlite.binding.ffi.lib``) answers *any* attribute with a C-function wrapper, ``__dict__``
+    included, so that scan raises ``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``.
+    No libllvmlite function is named like a dunder, so those names are made to raise AttributeError, as
+    on any object without them; idempotent."""
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    wrapper = getattr(ffi, "_lib_wrapper", None)
+    if wrapper is None or getattr(wrapper, "_hybridflow_no_dunders", False):
+        return
+    resolve = wrapper.__getattr__
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return resolve(self, name)
+
+    wrapper.__getattr__ = __getattr__
+    wrapper._hybridflow_no_dunders = True
 
 
 def local_rank_count() -> int:
