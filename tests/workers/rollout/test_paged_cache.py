@@ -135,6 +135,54 @@ def test_abort_frees_the_blocks_and_a_resumed_request_continues_from_the_cache(m
     assert request.done
 
 
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_new_requests_admitted_together_share_their_common_prefix(model, params):
+    """Six new prompts that start with the same 24-token system prompt (3 blocks of 8) and arrive at
+    once: the first prompt's prefill computes those blocks and the other five read them in the same
+    prefill (no block of them taken twice, 5 x 24 positions not recomputed), with every token and
+    log-prob what an engine without a prefix cache gives."""
+    system = list(range(3, 27))
+    prompts = [system + [30 + i, 31, 32 + i, 33 + i, 34] for i in range(6)]
+    on, off = _engine(model), _engine(model, caching=False)
+    with_cache = [
+        [(c.token_ids, c.log_probs) for r in on.generate_batch(prompts, params) for c in r.completions]
+    ]
+    without = [
+        [(c.token_ids, c.log_probs) for r in off.generate_batch(prompts, params) for c in r.completions]
+    ]
+    _assert_same(with_cache, without)
+    assert off.stats["prefill_tokens"] == 6 * 29
+    assert on.stats["prefill_tokens"] == 29 + 5 * 5  # the system prompt's blocks once
+    assert on.pool.stats["prefix_hits"] == 5 * 24 and on.pool.stats["prefix_queries"] == 6 * 29
+
+
+def test_a_failed_prefill_fails_the_requests_that_read_its_blocks_and_no_other(model, monkeypatch):
+    """The round's prefill raises and each item is retried alone: a request whose prompt failed takes
+    down the later request that shares its first blocks (never written), not a third one."""
+    params = replace(GREEDY, ignore_eos=True)
+    system = list(range(3, 27))
+    good = [60, 61, 62, 63, 64, 65, 66, 67, 68]
+    expected = _engine(model, caching=False).generate_batch([good], params)[0].completions[0].token_ids
+    engine = _engine(model)
+    real = engine.model.prefill
+
+    def prefill(tokens, *args, **kwargs):
+        if (tokens == 90).any():
+            raise RuntimeError("kernel failure")
+        return real(tokens, *args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "prefill", prefill)
+    lender = engine.add_request(system + [90, 5], params)
+    borrower = engine.add_request(system + [40, 41], params)
+    other = engine.add_request(good, params)
+    while engine.has_unfinished():
+        engine.step()
+    assert lender.result().error == "RuntimeError: kernel failure"
+    assert "shares its first blocks with failed" in borrower.result().error
+    assert other.result().error is None and other.completions[0].token_ids == expected
+    assert engine.pool.num_used == 0
+
+
 def test_the_pool_counts_and_evicts_least_recently_released_first():
     pool = BlockPool(4, 2)
     keys = block_keys([1, 2, 3, 4, 5, 6], 2)

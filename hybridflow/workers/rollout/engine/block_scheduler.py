@@ -9,6 +9,11 @@ the policy), as vLLM schedules:
   cache; its cached blocks are shared, its other full blocks are taken once and shared by its ``n``
   samples, and each sample takes one block of its own: the prompt's partial last block (copied from
   the first sample's after the prefill) or, after a whole last block, the block its first token goes to.
+  Within one admission round a prompt also shares the full blocks an earlier item of the round takes
+  for the same tokens (a system prompt many new requests start with, as vLLM's scheduler does): the
+  round is prefilled together, and each layer writes every row's keys and values before any row
+  attends, so those blocks hold their contents when the later row reads them as its prefix
+  (:attr:`PrefillItem.lenders` names the items it reads from).
 - **Growth** (:meth:`BlockScheduler.grow`): before a decode step (or burst of k), every running
   sequence gets the blocks that its next positions need. When the pool runs out, the most recently
   admitted sequence is **preempted**: its blocks go back (its full blocks stay cached) and it waits to
@@ -45,6 +50,7 @@ class PrefillItem:
     request: EngineRequest | None = None
     resumed: RunningSequence | None = None
     partial_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, target) blocks
+    lenders: set[int] = field(default_factory=set)  # earlier items of the round whose new blocks it reads
 
     @property
     def new_tokens(self) -> int:
@@ -80,9 +86,10 @@ class BlockScheduler:
         return running + n <= self.max_num_seqs and fits
 
     def admit(self, running: int) -> list[PrefillItem]:
-        """Items to prefill now (see the module docstring); their blocks are taken."""
+        """Items to prefill now, together (see the module docstring); their blocks are taken."""
         admitted: list[PrefillItem] = []
         rows, widest = running, 0
+        round_blocks: dict[bytes, tuple[int, int]] = {}  # key -> (block, item) of blocks this round fills
         with self.lock:
             while True:
                 head = self._head()
@@ -91,7 +98,7 @@ class BlockScheduler:
                 n, tokens = head
                 if rows + n > self.max_num_seqs:
                     break
-                item = self._plan(tokens, n)
+                item = self._plan(tokens, n, round_blocks)
                 if item is None:
                     break
                 width = max(widest, item.new_tokens)
@@ -103,6 +110,9 @@ class BlockScheduler:
                 else:
                     item.request = self.waiting.pop(0)
                 self.pool.count_query(len(tokens), item.start // self.pool.block_size)
+                if self.pool.caching:  # its full blocks past the prefix: later items of the round share them
+                    for i in range(item.start // self.pool.block_size, len(tokens) // self.pool.block_size):
+                        round_blocks.setdefault(item.keys[i], (item.tables[0][i], len(admitted)))
                 admitted.append(item)
                 rows += n
                 widest = width
@@ -116,13 +126,21 @@ class BlockScheduler:
             return self.waiting[0].n, self.waiting[0].prompt_ids
         return None
 
-    def _plan(self, tokens: list[int], n: int) -> PrefillItem | None:
-        """Take the blocks of ``tokens`` for ``n`` samples (cached ones held), or None when the pool
-        cannot hold them now."""
+    def _plan(
+        self, tokens: list[int], n: int, round_blocks: dict[bytes, tuple[int, int]]
+    ) -> PrefillItem | None:
+        """Take the blocks of ``tokens`` for ``n`` samples (cached ones and those this admission round
+        fills, ``round_blocks``, held), or None when the pool cannot hold them now."""
         pool, size = self.pool, self.pool.block_size
         extra = self._digest()
         keys = block_keys(tokens, size, extra)
-        hits = pool.lookup(keys[: (len(tokens) - 1) // size])
+        limit = (len(tokens) - 1) // size
+        hits = pool.lookup(keys[:limit])
+        lenders: set[int] = set()
+        while len(hits) < limit and keys[len(hits)] in round_blocks:  # the chain goes on in this round
+            block, lender = round_blocks[keys[len(hits)]]
+            hits.append(block)
+            lenders.add(lender)
         full = len(tokens) // size
         if pool.num_free - pool.evictable_among(hits) < (full - len(hits)) + n:
             return None
@@ -135,7 +153,7 @@ class BlockScheduler:
         owned = [pool.take() for _ in range(n)]
         tables = [[*shared, block] for block in owned]
         copies = [(owned[0], block) for block in owned[1:]] if len(tokens) % size else []
-        return PrefillItem(tokens, len(hits) * size, keys, tables, partial_copies=copies)
+        return PrefillItem(tokens, len(hits) * size, keys, tables, partial_copies=copies, lenders=lenders)
 
     def _digest(self) -> bytes:
         """The image digest of the head item's request (every prefix key of the prompt covers it)."""

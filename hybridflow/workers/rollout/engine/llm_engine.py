@@ -335,18 +335,23 @@ class LLMEngine(AsyncEngineAPI, TokenAcceptance):
         self.stats["prefix_cache_flushes"] += 1
 
     def _prefill(self, items: list[PrefillItem], finished: list[EngineRequest]) -> None:
-        """Prefill ``items`` together; if that raises, each alone, so that a request whose prefill
-        fails fails by itself (:meth:`_fail`) and the others start."""
+        """Prefill ``items`` together; if that raises, each alone, in order, so that a request whose
+        prefill fails fails by itself (:meth:`_fail`) and the others start; except one that reads its
+        prefix from a failed item's blocks (:attr:`PrefillItem.lenders`): those were never written."""
         try:
             self._prefill_together(items, finished)
         except Exception as error:
             if len(items) == 1:
                 self._fail_item(items[0], error, finished)
                 return
-            for item in items:
+            failed: set[int] = set()
+            for index, item in enumerate(items):
                 try:
+                    if item.lenders & failed:
+                        raise RuntimeError("the prefill of the prompt it shares its first blocks with failed")
                     self._prefill_together([item], finished)
                 except Exception as alone:
+                    failed.add(index)
                     self._fail_item(item, alone, finished)
 
     def _fail_item(self, item: PrefillItem, error: BaseException, finished: list[EngineRequest]) -> None:
