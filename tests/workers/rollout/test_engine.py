@@ -105,6 +105,29 @@ def test_batch_composition_does_not_change_greedy_tokens_or_log_probs(model):
             assert max(abs(a - b) for a, b in zip(completion.log_probs, alone.log_probs, strict=True)) <= 1e-5
 
 
+def test_a_prefill_of_prompts_of_different_lengths_computes_no_padding(model, monkeypatch):
+    """Prompts of 2-13 tokens prefilled together: the linear layers see their real tokens packed (the
+    sum of the lengths, not rows x the longest), and each prompt gets HF's greedy tokens."""
+    prompts = _prompts(8, seed=5)
+    assert len({len(p) for p in prompts}) > 1
+    engine = _engine(model, slots=16)
+    rows_seen = []
+    real = engine.model._linear
+
+    def linear(x, weight, bias=None):
+        rows_seen.append(x.reshape(-1, x.shape[-1]).shape[0])
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(engine.model, "_linear", linear)
+    requests = [engine.add_request(p, GREEDY) for p in prompts]
+    engine.step()  # the prefill of all eight (then one decode step)
+    assert rows_seen[0] == sum(len(p) for p in prompts) < len(prompts) * max(len(p) for p in prompts)
+    while engine.has_unfinished():
+        engine.step()
+    for prompt, request in zip(prompts, requests, strict=True):
+        assert request.completions[0].token_ids == _hf_greedy(model, prompt, GREEDY.max_new_tokens)
+
+
 def test_request_joining_mid_flight_matches_running_alone(model):
     early, late = _prompts(6, seed=2), _prompts(1, seed=5)[0]
     engine = _engine(model, slots=8)
