@@ -10,7 +10,18 @@ first batch after start-up) and ``rep1`` (warm). ``startup_s`` is from nothing t
     python benchmarks/rollout_backends.py --shape smollm2 --prompts 64 --new-tokens 128
     python benchmarks/rollout_backends.py --model-dir ~/models/smollm2 --prompts 256 --new-tokens 256
 
-Prints one JSON line per backend, then one with the ratios engine / vLLM and engine / HF (warm).
+Prints one JSON line per backend run, then one with the ratios engine / vLLM and engine / HF (warm;
+the medians of each backend's runs: ``--backends engine,vllm,engine`` alternates).
+
+``--workload multi_turn`` (the engine and vLLM, both with their prefix caches on, or both off with
+``--no-prefix-caching``): ``--conversations`` conversations of ``--turns`` turns, as an agent loop or a
+chat client drives a server: turn k+1's prompt is turn k's whole context, the model's answer
+(``--new-tokens``) and a new user/tool message (``--message`` tokens), after a ``--system``-token system
+prompt shared by all. Each turn is one ``generate_batch`` call of every conversation; a rep is the whole
+conversation set (rep1 with fresh tokens, so nothing of rep0 is cached). ``tokens_per_s`` counts prompt
+and answer tokens each turn serves (what a server bills) over the seconds of its turns.
+
+    python benchmarks/rollout_backends.py --workload multi_turn --backends engine,vllm
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -87,20 +99,53 @@ def run_backend(args) -> dict:
     start = time.perf_counter()
     generate = {"engine": _engine, "vllm": _vllm, "hf": _hf}[args.run](args)
     startup = time.perf_counter() - start
-    reps = []
-    for _ in range(2):
+    reps, extra = [], {}
+    for rep in range(2):
         begin = time.perf_counter()
-        tokens = generate(rows)
+        if args.workload == "multi_turn":
+            tokens, turn_s = _conversations(generate, args, vocab, seed=rep)
+            extra[f"s_per_turn_rep{rep}"] = [round(t, 3) for t in turn_s]
+        else:
+            tokens = generate(rows)
         reps.append(tokens / (time.perf_counter() - begin))
+    if args.workload == "multi_turn":
+        extra["prefix_cache_tokens"] = generate.cache_stats()
     return {
         "backend": args.run,
+        "workload": args.workload,
         "threads": args.threads,
-        "prompts": args.prompts,
+        "prompts": args.prompts if args.workload == "decode" else args.conversations,
         "new_tokens": args.new_tokens,
         "startup_s": round(startup, 2),
         "tokens_per_s_rep0": round(reps[0], 1),
         "tokens_per_s_rep1": round(reps[1], 1),
+        **extra,
     }
+
+
+def _conversations(generate, args, vocab: int, seed: int) -> tuple[int, list[float]]:
+    """``--conversations`` conversations of ``--turns`` turns (see the module docstring): the prompt
+    and answer tokens served, and the seconds of each turn."""
+    import random
+
+    rng = random.Random(seed)
+    system = [rng.randrange(10, vocab) for _ in range(args.system)]
+    contexts = [
+        system + [rng.randrange(10, vocab) for _ in range(args.message)] for _ in range(args.conversations)
+    ]
+    served, turn_s = 0, []
+    for _ in range(args.turns):
+        begin = time.perf_counter()
+        results = generate(contexts, return_results=True)
+        turn_s.append(time.perf_counter() - begin)
+        served += sum(len(r.prompt_token_ids) + len(r.completions[0].token_ids) for r in results)
+        contexts = [
+            list(r.prompt_token_ids)
+            + list(r.completions[0].token_ids)
+            + [rng.randrange(10, vocab) for _ in range(args.message)]
+            for r in results
+        ]
+    return served, turn_s
 
 
 def _engine(args):
@@ -119,11 +164,30 @@ def _through_main_generation(args, name: str):
     engine = build_engine(_generation_config(args, name))
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True)
 
-    def generate(rows):
+    def generate(rows, return_results: bool = False):
         results = engine.generate_batch(rows, params)
+        if return_results:
+            return results
         return sum(len(c.token_ids) for r in results for c in r.completions)
 
+    generate.cache_stats = lambda: _prefix_cache_tokens(engine)
     return generate
+
+
+def _prefix_cache_tokens(engine) -> dict:
+    """Prompt tokens looked up in the prefix cache and found there, over the engine's life (vLLM's
+    ``vllm:prefix_cache_queries`` / ``_hits``; the embedded engine's pool counts the same)."""
+    if hasattr(engine, "llm"):  # vLLM: its Prometheus counters (kept with disable_log_stats=false)
+        counters = {m.name: getattr(m, "value", None) for m in engine.llm.get_metrics()}
+        return {
+            "queries": counters.get("vllm:prefix_cache_queries"),
+            "hits": counters.get("vllm:prefix_cache_hits"),
+        }
+    engines = getattr(engine, "engines", [engine])
+    return {
+        "queries": sum(e.pool.stats["prefix_queries"] for e in engines),
+        "hits": sum(e.pool.stats["prefix_hits"] for e in engines),
+    }
 
 
 def _hf(args):
@@ -158,15 +222,20 @@ def _hf(args):
 def _generation_config(args, name: str):
     from hybridflow.trainer.config import load_config
 
+    multi_turn = args.workload == "multi_turn"
+    prompt_length = args.system + args.turns * (args.message + args.new_tokens) if multi_turn else 64
     return load_config(
         [
             f"model.path={args.model_dir}",
             f"rollout.name={name}",
-            "rollout.prompt_length=64",
+            f"rollout.prompt_length={prompt_length}",
             f"rollout.response_length={args.new_tokens}",
-            f"rollout.max_num_seqs={args.prompts}",
+            f"rollout.max_num_seqs={args.conversations if multi_turn else args.prompts}",
+            f"rollout.enable_prefix_caching={str(args.prefix_caching).lower()}",
             f"trainer.num_threads={args.threads}",
             "rollout.dtype=fp32",
+            f"rollout.disable_log_stats={str(not multi_turn).lower()}",  # vLLM's prefix-cache counters
+            f"rollout.block_size={args.block_size}",  # both backends cache whole blocks of this size
         ],
         config_name="generation",
     )
@@ -182,8 +251,21 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--backends", default="engine,vllm,hf")
+    parser.add_argument("--workload", default="decode", choices=["decode", "multi_turn"])
+    parser.add_argument("--conversations", type=int, default=16, help="multi_turn: conversations")
+    parser.add_argument("--turns", type=int, default=5, help="multi_turn: turns per conversation")
+    parser.add_argument("--system", type=int, default=96, help="multi_turn: shared system prompt tokens")
+    parser.add_argument("--message", type=int, default=64, help="multi_turn: user/tool tokens per turn")
+    parser.add_argument(
+        "--block-size", type=int, default=32, help="KV positions per block, both (vLLM-CPU: multiples of 32)"
+    )
+    parser.add_argument(
+        "--prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="both backends' cache"
+    )
     parser.add_argument("--run", choices=["engine", "vllm", "hf"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.workload == "multi_turn" and args.run is None and "hf" in args.backends.split(","):
+        parser.error("--workload multi_turn runs the engine and vllm (HF generate keeps no prefix cache)")
     if args.run:
         print(json.dumps(run_backend(args)), flush=True)
         return
@@ -203,24 +285,36 @@ def main() -> None:
             str(args.new_tokens),
             "--threads",
             str(args.threads),
+            "--workload",
+            args.workload,
+            "--conversations",
+            str(args.conversations),
+            "--turns",
+            str(args.turns),
+            "--system",
+            str(args.system),
+            "--message",
+            str(args.message),
+            "--prefix-caching" if args.prefix_caching else "--no-prefix-caching",
+            "--block-size",
+            str(args.block_size),
         ]
         out = subprocess.run(command, capture_output=True, text=True, check=False)
         lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
         if out.returncode != 0 or not lines:
             print(json.dumps({"backend": backend, "error": out.stderr.strip().splitlines()[-3:]}), flush=True)
             continue
-        results[backend] = json.loads(lines[-1])
-        results[backend]["model"] = args.model_dir or f"{args.shape}-shaped (random)"
-        print(json.dumps(results[backend]), flush=True)
+        record = json.loads(lines[-1])
+        record["model"] = args.model_dir or f"{args.shape}-shaped (random)"
+        results.setdefault(backend, []).append(record)  # a backend named twice: alternating runs
+        print(json.dumps(record), flush=True)
     ratios = {}
     for other in ("vllm", "hf"):
         if "engine" in results and other in results:
-            ratios[f"engine_over_{other}_warm"] = round(
-                results["engine"]["tokens_per_s_rep1"] / results[other]["tokens_per_s_rep1"], 3
-            )
-            ratios[f"engine_over_{other}_rep0"] = round(
-                results["engine"]["tokens_per_s_rep0"] / results[other]["tokens_per_s_rep0"], 3
-            )
+            for rep, name in (("rep1", "warm"), ("rep0", "rep0")):
+                ours = statistics.median(r[f"tokens_per_s_{rep}"] for r in results["engine"])
+                theirs = statistics.median(r[f"tokens_per_s_{rep}"] for r in results[other])
+                ratios[f"engine_over_{other}_{name}"] = round(ours / theirs, 3)
     print(
         json.dumps({"ratios": ratios, "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count()}), flush=True
     )
