@@ -342,7 +342,6 @@ class EngineModel:
         (:func:`.vision.image_prefill_inputs`): ``embeds`` (P, T, H) instead of the tokens'
         embeddings, ``rope`` cos and signed sin (P, T, 1, hd) at the new tokens' positions. ``record``:
         a list that gets each sparse layer's expert ids (P, T, k) (:mod:`.routing`)."""
-        spec = self.spec
         n_rows, width = tokens.shape
         device = tokens.device
         offsets = torch.arange(width, device=device)
@@ -351,68 +350,49 @@ class EngineModel:
         valid = offsets[None, :] < lengths[:, None]  # (P, T): real new tokens
         blocks = table.gather(1, (positions // cache.block_size).clamp(max=table.shape[1] - 1))
         slots = (blocks * cache.block_size + positions % cache.block_size)[valid]  # (N,)
-        if record is None and int(lengths.sum()) < n_rows * width:  # rows of different lengths
-            return self._packed_prefill(
-                tokens, lengths, valid, positions, slots, cache, table, starts, embeds, rope
-            )
+        x = self._embed(tokens) if embeds is None else embeds  # (P, T, H)
+        # Rows of different lengths: the linear layers, norms and RoPE run on the N real tokens packed
+        # into one row (1, N, ...), only attention on the padded (P, T) layout (a 160-token prompt beside
+        # seven of 64 computes 608 positions, not 8 x 160). Expert ids are recorded per (P, T).
+        packed = record is None and int(lengths.sum()) < n_rows * width
+        if packed:
+            flat = valid.flatten().nonzero().squeeze(1)  # (N,) real tokens in the padded (P * T) layout
+            x = x[valid][None]  # (1, N, H)
         if rope is not None:
-            ropes = [rope]
+            ropes = [tuple(t[valid][None] for t in rope)] if packed else [rope]
+        elif packed:  # (1, N, 1, hd) each
+            at = positions[valid]
+            ropes = [(c[at][None, :, None, :], s[at][None, :, None, :]) for c, s in self.ropes]
         elif max(starts) == 0:
             ropes = [self.rope_at(width, i) for i in range(len(self.ropes))]  # (1, T, 1, hd) each
         else:  # (P, T, 1, hd) each
             ropes = [(c[positions][:, :, None, :], s[positions][:, :, None, :]) for c, s in self.ropes]
-        x = self._embed(tokens) if embeds is None else embeds  # (P, T, H)
-        for index, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, self.norm(x, layer.input_norm), *ropes[layer.rope])
-            cache.write(index, slots, k.transpose(1, 2)[valid], v.transpose(1, 2)[valid])
-            keys, values = cache.layers[index]
-            options = self.attention_options[index]
-            # (P, nh, T, hd)
-            attn = prefill_attention(q, k, v, keys, values, table, starts_t, max(starts), options)
-            x = self._finish_layer(layer, x, attn.transpose(1, 2).reshape(n_rows, width, spec.q_size), record)
-        last = x[torch.arange(n_rows, device=device), lengths - 1]  # (P, H)
-        return self._logits(self.norm(last, self.final_norm))
 
-    def _packed_prefill(self, tokens, lengths, valid, positions, slots, cache, table, starts, embeds, rope):
-        """:meth:`prefill` of rows of different lengths without computing their padding: the linear
-        layers, norms and RoPE run on the N real tokens packed into one row (1, N, ...); only attention
-        takes the padded (P, T) layout, each row after its own prefix. A batch of a 160-token prompt
-        and seven 64-token ones computes 608 positions, not 8 x 160."""
-        n_rows, width = tokens.shape
-        flat = valid.flatten().nonzero().squeeze(1)  # (N,) real tokens in the padded (P * T) layout
-        if rope is not None:
-            ropes = [tuple(t[valid][None] for t in rope)]  # (1, N, 1, hd) each
-        else:
-            at = positions[valid]  # (N,)
-            ropes = [(c[at][None, :, None, :], s[at][None, :, None, :]) for c, s in self.ropes]
-        x = (self._embed(tokens) if embeds is None else embeds)[valid][None]  # (1, N, H)
-        starts_t = torch.tensor(starts, device=tokens.device)
+        def rows(t: torch.Tensor) -> torch.Tensor:  # (P | 1, heads, T | N, hd) -> (N, heads, hd): real tokens
+            return t[0].transpose(0, 1) if packed else t.transpose(1, 2)[valid]
 
-        def padded(t: torch.Tensor) -> torch.Tensor:  # (1, heads, N, hd) -> (P, heads, T, hd), zeros between
+        def padded(t: torch.Tensor) -> torch.Tensor:  # -> (P, heads, T, hd), zeros between packed rows
+            if not packed:
+                return t
             out = t.new_zeros(n_rows * width, t.shape[1], t.shape[3])
-            out[flat] = t[0].transpose(0, 1)
+            out[flat] = rows(t)
             return out.view(n_rows, width, t.shape[1], t.shape[3]).transpose(1, 2)
 
         for index, layer in enumerate(self.layers):
-            q, k, v = self._qkv(
-                layer, self.norm(x, layer.input_norm), *ropes[layer.rope]
-            )  # (1, heads, N, hd)
-            cache.write(index, slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+            q, k, v = self._qkv(layer, self.norm(x, layer.input_norm), *ropes[layer.rope])
+            cache.write(index, slots, rows(k), rows(v))
             keys, values = cache.layers[index]
+            options = self.attention_options[index]
             attn = prefill_attention(
-                padded(q),
-                padded(k),
-                padded(v),
-                keys,
-                values,
-                table,
-                starts_t,
-                max(starts),
-                self.attention_options[index],
-            )  # (P, nh, T, hd)
-            x = self._finish_layer(layer, x, attn.transpose(1, 2).reshape(n_rows * width, -1)[flat][None])
-        last = lengths.cumsum(0) - 1  # each row's last token in the packed row
-        return self._logits(self.norm(x[0, last], self.final_norm))
+                padded(q), padded(k), padded(v), keys, values, table, starts_t, max(starts), options
+            ).transpose(1, 2)  # (P, T, nh, hd)
+            attn = attn.reshape(n_rows * width, -1)[flat][None] if packed else attn.reshape(n_rows, width, -1)
+            x = self._finish_layer(layer, x, attn, record)
+        if packed:
+            last = x[0, lengths.cumsum(0) - 1]  # each row's last token in the packed row
+        else:
+            last = x[torch.arange(n_rows, device=device), lengths - 1]  # (P, H)
+        return self._logits(self.norm(last, self.final_norm))
 
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
         """The final-norm hidden states (P, T, H) of right-padded ``tokens`` (P, T): the prefill's layers
