@@ -7,12 +7,13 @@ The batch is the vs_trl workload's (``../shared/peers/vs_trl.py``): 16 prompts x
 a ~22-token chat prompt; A's responses ~4 tokens (a warm-started model's answers, 32 at most), B's ~104
 (a random model, 128 at most); one mini-batch, one micro-batch, one PPO epoch, as vs_trl runs it (the
 on-policy shortcut: the update's forward is the old policy's). Without ``--model`` a random Qwen2 of the
-peer's shape (hidden 256, 4 layers, 4/2 heads, MLP 688, vocabulary 512) is built. The model is FSDP2-
-sharded over a world of 1 (gloo), as one worker holds it in ``main_ppo --workers 1``.
+peer's shape (hidden 256, 4 layers, 4/2 heads, MLP 688, vocabulary 512) is built. The model is built as
+one worker holds it in ``main_ppo --workers 1`` (a world of 1, gloo): a plain module (``--variant plain``,
+the default: ``fsdp_config.shard_one_rank=false``), or FSDP2-sharded over the one rank (``fsdp``).
 
 Parts (seconds per update, the mean of ``--reps`` after one warm-up): ``forward`` (the root module's
 forward: FSDP's pre/post hooks, attention, MLP, logits), ``log_probs`` (log-softmax and gather on the
-logits), ``loss`` (policy loss and metrics), ``backward``, ``grad_norm`` (clip_grad_norm_ over DTensor
+logits), ``loss`` (policy loss and metrics), ``backward``, ``grad_norm`` (clip_grad_norm_ over the (DTensor)
 shards), ``optimizer`` (the fused AdamW step and zero_grad), ``other`` (the rest: splitting, packing,
 host reads). The ``ops`` line lists the operators with the most self CPU time in one profiled update.
 """
@@ -43,8 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--variant",
         choices=["fsdp", "fsdp_keep", "plain"],
-        default="fsdp",
-        help="fsdp: as the worker builds it; fsdp_keep: reshard_after_forward=false; plain: no FSDP",
+        default="plain",
+        help="plain: as the worker builds it (no FSDP on one rank); fsdp: FSDP2 on the one rank "
+        "(fsdp_config.shard_one_rank=true); fsdp_keep: that with reshard_after_forward=false",
     )
     return parser.parse_args(argv)
 
@@ -152,15 +154,11 @@ def main(argv=None) -> None:
             ]
         )
         actor_cfg = config.actor_rollout_ref.actor
-        if args.variant == "plain":
-            from hybridflow.workers.model_builder import load_hf_model
-
-            module = load_hf_model(config.actor_rollout_ref.model, "causal_lm", torch.float32)
-        else:
-            fsdp_cfg = OmegaConf.merge(
-                actor_cfg.fsdp_config, {"reshard_after_forward": args.variant == "fsdp"}
-            )
-            module = build_fsdp_module(config.actor_rollout_ref.model, fsdp_cfg, mesh)
+        fsdp_cfg = OmegaConf.merge(
+            actor_cfg.fsdp_config,
+            {"reshard_after_forward": args.variant != "fsdp_keep", "shard_one_rank": args.variant != "plain"},
+        )
+        module = build_fsdp_module(config.actor_rollout_ref.model, fsdp_cfg, mesh)
         optimizer = build_optimizer(module.parameters(), actor_cfg.optim)
         cfg = OmegaConf.merge(actor_cfg, {"ppo_mini_batch_size": 64})  # rows per rank, after n
         actor = dp_actor.DataParallelPPOActor(

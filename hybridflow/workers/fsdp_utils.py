@@ -150,6 +150,27 @@ def mixed_precision_policy(cfg, device_type: str) -> MixedPrecisionPolicy | None
     )
 
 
+def sharded_units(model: nn.Module, fsdp_config) -> list[nn.Module]:
+    """The modules :func:`apply_fsdp2` shards one by one before the root (``fsdp_config.wrap_policy``);
+    raises for a ``transformer_layer_cls_to_wrap`` that names no module of ``model``."""
+    wrap_policy = fsdp_config.get("wrap_policy") or {}
+    return _decoder_layers(model, wrap_policy.get("transformer_layer_cls_to_wrap"))
+
+
+def stays_plain_on_one_rank(mesh: DeviceMesh, fsdp_config) -> bool:
+    """Whether the model is left a plain module instead of being FSDP2-sharded: a mesh of one rank
+    with nothing for FSDP2 to do (no tensor parallelism, no mixed-precision cast, no CPU offload), and
+    ``fsdp_config.shard_one_rank`` false (its default). FSDP2 on one rank only copies: every forward
+    all-gathers each unit into a fresh buffer and every backward "reduce-scatters" its gradients into
+    another (10-13% of a small model's update on a 2-core AVX-512 CPU, docs/benchmarks.md); the plain
+    module computes the same numbers without them (tests/workers/test_one_rank_plain.py)."""
+    if bool(fsdp_config.get("shard_one_rank", False)) or mesh.size() != 1 or is_tensor_parallel_mesh(mesh):
+        return False
+    if resolve_mixed_precision(fsdp_config.get("mixed_precision"), mesh.device_type):
+        return False
+    return not wants_cpu_offload(fsdp_config)
+
+
 def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, fsdp_config) -> nn.Module:
     """Shard ``model`` in place (decoder layers, then root) over ``mesh`` (its ``dp`` dimension when it
     is 2-D: the model is then already tensor-parallel over ``tp``) and return it."""
@@ -164,8 +185,7 @@ def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, fsdp_config) -> nn.Module:
     # Only the root casts its output (fp32 logits): a layer returning fp32 would hand the root's bf16
     # final norm and head an fp32 activation ("expected m1 and m2 to have the same dtype").
     layer_policy = dataclasses.replace(root_policy, output_dtype=None)
-    wrap_policy = fsdp_config.get("wrap_policy") or {}
-    for layer in _decoder_layers(model, wrap_policy.get("transformer_layer_cls_to_wrap")):
+    for layer in sharded_units(model, fsdp_config):
         fully_shard(layer, mp_policy=layer_policy, **kwargs)
     fully_shard(model, mp_policy=root_policy, **kwargs)
     return model

@@ -2,7 +2,9 @@
 
 Used by every FSDP worker (actor, reference, critic, reward model) so they share one loading path:
 ``from_pretrained(local_dir)`` → optional gradient checkpointing → optional LoRA adapter (peft,
-trainable causal LMs only) → ``fully_shard`` → optimizer over the trainable parameters.
+trainable causal LMs only) → ``fully_shard`` (not on a mesh of one rank with nothing for FSDP2 to do:
+:func:`~hybridflow.workers.fsdp_utils.stays_plain_on_one_rank`) → optimizer over the trainable
+parameters.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from hybridflow.workers.fsdp_utils import (
     build_optimizer,
     enable_gradient_checkpointing,
     is_tensor_parallel_mesh,
+    sharded_units,
+    stays_plain_on_one_rank,
     to_dtype,
 )
 from hybridflow.workers.lora import apply_lora, lora_enabled
@@ -144,6 +148,9 @@ def build_fsdp_module(
         model.requires_grad_(False)
     if tensor_parallel:
         apply_tensor_parallel(model, mesh)
+    if stays_plain_on_one_rank(mesh, fsdp_cfg):
+        sharded_units(model, fsdp_cfg)  # a wrap_policy naming no module is still an error
+        return model
     return apply_fsdp2(model, mesh, fsdp_cfg)
 
 

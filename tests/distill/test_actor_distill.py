@@ -11,7 +11,7 @@ from hybridflow.algorithms.distillation import topk_forward_kl
 from hybridflow.workers.actor.dp_actor import DataParallelPPOActor
 from hybridflow.workers.fsdp_utils import build_device_mesh
 from hybridflow.workers.model_builder import build_fsdp_module
-from tests.utils.checkpoint.fsdp_toy import gloo_group
+from tests.utils.checkpoint.fsdp_toy import full_value, gloo_group
 from tests.workers.test_loss_normalisation import PROMPT_LEN, RESPONSE_LEN, _actor_config, _batch
 
 K = 4
@@ -42,9 +42,7 @@ def _grads(model_dir: str, distill: dict | None, advantage_scale: float = 1.0):
     actor.module.train()
     metrics: dict[str, list] = {}
     actor.accumulate_gradients(data, 1.0, metrics)
-    grads = {
-        n: p.grad.full_tensor().clone() for n, p in actor.module.named_parameters() if p.grad is not None
-    }
+    grads = {n: full_value(p.grad).clone() for n, p in actor.module.named_parameters() if p.grad is not None}
     return grads, metrics, data
 
 

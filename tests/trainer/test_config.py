@@ -138,6 +138,7 @@ REJECTED = [
     ("actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]", "hybridflow.model_merger"),
     ("actor_rollout_ref.actor.fsdp_config.fsdp_size=1", "fsdp_size=1 is not supported"),
     ("actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params=1000", "min_num_params=1000"),
+    ("actor_rollout_ref.actor.fsdp_config.shard_one_rank=maybe", "shard_one_rank='maybe': use true or false"),
     ("+actor_rollout_ref.ref.fsdp_config.wrap_policy.policy=size", "unknown keys ['policy']"),
     ("actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype: fp8}", "param_dtype='fp8' is not"),
     (

@@ -2,7 +2,9 @@
 
 ``param_offload`` / ``optimizer_offload`` / ``offload_policy``: FSDP2's CPUOffloadPolicy; an actor built with
 it trains a PPO step through ``DataParallelPPOActor.update_policy`` to the same weights as the actor without
-it. ``wrap_policy.transformer_layer_cls_to_wrap``: which module classes become FSDP units (verl's key)."""
+it. ``wrap_policy.transformer_layer_cls_to_wrap``: which module classes become FSDP units (verl's key).
+``shard_one_rank``: at world size 1 in fp32 the model stays a plain module unless it is true; both train to
+the same bits and read each other's checkpoints."""
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from hybridflow.trainer.config import load_schema
 from hybridflow.workers.actor.dp_actor import DataParallelPPOActor
 from hybridflow.workers.fsdp_utils import build_device_mesh, offload_policy, wants_cpu_offload
 from hybridflow.workers.model_builder import build_fsdp_module, build_training_parts
-from tests.utils.checkpoint.fsdp_toy import gloo_group
+from tests.utils.checkpoint.fsdp_toy import SHARDED, gloo_group
 
 PROMPT_LEN, RESPONSE_LEN, ROWS = 6, 5, 4
 
@@ -33,8 +35,9 @@ def _actor_config():
     return OmegaConf.create(actor)
 
 
-def _batch() -> DataProto:
-    ids = torch.randint(4, 200, (ROWS, PROMPT_LEN + RESPONSE_LEN), generator=torch.Generator().manual_seed(1))
+def _batch(seed: int = 1) -> DataProto:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 200, (ROWS, PROMPT_LEN + RESPONSE_LEN), generator=generator)
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
     data = DataProto.from_dict(
@@ -82,7 +85,12 @@ def _train_one_step(model_dir: str, mesh, fsdp: dict) -> tuple[torch.nn.Module, 
 
 
 def _weights(module) -> dict[str, torch.Tensor]:
-    return {name: p.detach().to_local().clone() for name, p in module.named_parameters()}
+    """Each parameter's values (a DTensor's local shard: the whole tensor at world size 1)."""
+    return {name: _local(p).detach().clone() for name, p in module.named_parameters()}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def test_offload_keys_select_cpu_offload_policy():
@@ -96,7 +104,7 @@ def test_offload_keys_select_cpu_offload_policy():
 
 def test_param_offload_actor_trains_a_step_like_the_plain_actor(tiny_model_dir, mesh):
     initial = {n: p.detach().clone() for n, p in _initial_named_parameters(tiny_model_dir)}
-    plain, _ = _train_one_step(tiny_model_dir, mesh, {})
+    plain, _ = _train_one_step(tiny_model_dir, mesh, SHARDED)
     offloaded, metrics = _train_one_step(tiny_model_dir, mesh, {"param_offload": True})
     assert _offloaded(offloaded) == {True} and _offloaded(plain) == {False}
     assert all(p.device.type == "cpu" for p in offloaded.parameters())
@@ -123,17 +131,88 @@ def _units(module) -> list[str]:
 
 def test_wrap_policy_picks_the_sharded_module_classes(tiny_model_dir, mesh):
     model_cfg = OmegaConf.create({"path": tiny_model_dir})
-    default = build_fsdp_module(model_cfg, OmegaConf.create({}), mesh)
+    default = build_fsdp_module(model_cfg, OmegaConf.create(SHARDED), mesh)
     assert _units(default) == ["Qwen2DecoderLayer", "Qwen2ForCausalLM"]  # HF's _no_split_modules, then root
-    wrap = {"wrap_policy": {"min_num_params": 0, "transformer_layer_cls_to_wrap": ["Qwen2MLP"]}}
+    wrap = {**SHARDED, "wrap_policy": {"min_num_params": 0, "transformer_layer_cls_to_wrap": ["Qwen2MLP"]}}
     assert _units(build_fsdp_module(model_cfg, OmegaConf.create(wrap), mesh)) == [
         "Qwen2ForCausalLM",
         "Qwen2MLP",
     ]
-    with pytest.raises(ValueError, match="matches no module"):
-        build_fsdp_module(
-            model_cfg, OmegaConf.create({"wrap_policy": {"transformer_layer_cls_to_wrap": "Nope"}}), mesh
+    for shard in (True, False):  # a plain one-rank model checks the key too
+        bad = {"shard_one_rank": shard, "wrap_policy": {"transformer_layer_cls_to_wrap": "Nope"}}
+        with pytest.raises(ValueError, match="matches no module"):
+            build_fsdp_module(model_cfg, OmegaConf.create(bad), mesh)
+
+
+def test_one_rank_fp32_model_stays_plain_unless_fsdp2_has_work(tiny_model_dir, mesh):
+    model_cfg = OmegaConf.create({"path": tiny_model_dir})
+    plain = build_fsdp_module(model_cfg, OmegaConf.create({}), mesh)
+    assert not isinstance(plain, FSDPModule) and _units(plain) == []
+    assert not any(hasattr(p, "to_local") for p in plain.parameters())  # plain tensors, no DTensor
+    bf16 = {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}
+    for fsdp in (SHARDED, bf16, {"param_offload": True}):
+        assert isinstance(build_fsdp_module(model_cfg, OmegaConf.create(fsdp), mesh), FSDPModule), fsdp
+
+
+def test_plain_and_sharded_one_rank_actors_train_to_the_same_bits(tiny_model_dir, mesh):
+    """Two PPO steps (micro-batches of 2, grad clipping, AdamW): every metric and weight bit-for-bit."""
+    runs = {}
+    for name, fsdp in (("plain", {}), ("sharded", SHARDED)):
+        config = _actor_config()
+        parts = build_training_parts(
+            OmegaConf.create({"path": tiny_model_dir}), OmegaConf.create(fsdp), config.optim, mesh
         )
+        actor = DataParallelPPOActor(config, parts.module, parts.optimizer)
+        metrics = [_ppo_step(actor, seed) for seed in (1, 2)]
+        runs[name] = (isinstance(parts.module, FSDPModule), metrics, _weights(parts.module))
+    (plain_fsdp, plain_metrics, plain_weights), (sharded_fsdp, sharded_metrics, sharded_weights) = (
+        runs["plain"],
+        runs["sharded"],
+    )
+    assert (plain_fsdp, sharded_fsdp) == (False, True)
+    assert plain_metrics == sharded_metrics and plain_metrics[1]["actor/grad_norm"][0] > 0
+    assert plain_weights.keys() == sharded_weights.keys()
+    for name, weight in plain_weights.items():
+        assert torch.equal(weight, sharded_weights[name]), name
+
+
+def _ppo_step(actor: DataParallelPPOActor, seed: int) -> dict:
+    data = _batch(seed)
+    batching = OmegaConf.create(
+        {
+            "log_prob_micro_batch_size_per_gpu": 2,
+            "log_prob_use_dynamic_bsz": False,
+            "log_prob_max_token_len_per_gpu": None,
+        }
+    )
+    data.batch[keys.OLD_LOG_PROBS] = actor.compute_log_prob(data, batching)[0]
+    return actor.update_policy(data)
+
+
+def test_plain_and_sharded_one_rank_checkpoints_load_into_each_other(tiny_model_dir, mesh, tmp_path):
+    from hybridflow.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
+
+    def parts(fsdp):
+        config = _actor_config()
+        built = build_training_parts(
+            OmegaConf.create({"path": tiny_model_dir}), OmegaConf.create(fsdp), config.optim, mesh
+        )
+        return built, DataParallelPPOActor(config, built.module, built.optimizer)
+
+    for saver, loader in (({}, SHARDED), (SHARDED, {})):
+        trained, actor = parts(saver)
+        _ppo_step(actor, 1)
+        path = str(tmp_path / f"from_{bool(saver)}")
+        saving = FSDPCheckpointManager(trained.module, trained.optimizer, trained.lr_scheduler)
+        saving.save_checkpoint(path, 1)
+        resumed, resumed_actor = parts(loader)
+        FSDPCheckpointManager(resumed.module, resumed.optimizer, resumed.lr_scheduler).load_checkpoint(path)
+        assert isinstance(resumed.module, FSDPModule) != isinstance(trained.module, FSDPModule)
+        # the next step from the loaded state equals the next step of the run that saved it
+        assert _ppo_step(resumed_actor, 2) == _ppo_step(actor, 2)
+        want = _weights(trained.module)
+        for name, weight in _weights(resumed.module).items():
+            assert torch.equal(weight, want[name]), name
 
 
 def test_critic_global_micro_batch_forms_are_split_over_the_ranks():

@@ -45,7 +45,7 @@ def mesh():
 
 def _module(model_dir: str, mesh, fsdp: dict | None = None, checkpointing: bool = False):
     model_cfg = OmegaConf.create({"path": model_dir, "enable_gradient_checkpointing": checkpointing})
-    return build_fsdp_module(model_cfg, OmegaConf.create(fsdp or {}), mesh)
+    return build_fsdp_module(model_cfg, OmegaConf.create({"shard_one_rank": True, **(fsdp or {})}), mesh)
 
 
 def _batch() -> DataProto:

@@ -16,7 +16,7 @@ from hybridflow.trainer.config import load_config
 from hybridflow.workers.fsdp_workers import ActorRolloutRefWorker
 from hybridflow.workers.lora import hf_parameter_name
 from hybridflow.workers.rollout.engine_rollout import EngineRollout
-from tests.utils.checkpoint.fsdp_toy import gloo_group
+from tests.utils.checkpoint.fsdp_toy import gloo_group, local_value
 from tests.workers.engine_prompts import hf_greedy
 from tests.workers.engine_prompts import tiny_prompts as _prompts
 
@@ -106,7 +106,7 @@ def lora_run(tiny_model_dir, tmp_path_factory):
 
 def _local_parameters(module) -> dict[str, torch.Tensor]:
     """Plain-tensor copies of the (world-size-1, so complete) DTensor shards."""
-    return {name: p.detach().to_local().clone() for name, p in module.named_parameters()}
+    return {name: local_value(p).detach().clone() for name, p in module.named_parameters()}
 
 
 def _merged_copy(module, model_dir):

@@ -16,7 +16,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.workers.actor.dp_actor import DataParallelPPOActor
 from hybridflow.workers.fsdp_utils import build_device_mesh
 from hybridflow.workers.model_builder import build_fsdp_module
-from tests.utils.checkpoint.fsdp_toy import free_port, gloo_group
+from tests.utils.checkpoint.fsdp_toy import free_port, full_value, gloo_group
 
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 PROMPT_LEN, RESPONSE_LEN = 5, 6
@@ -90,7 +90,7 @@ def _full_grads(
     data.batch[keys.OLD_LOG_PROBS] = old_log_probs
     module.train()
     actor.accumulate_gradients(data, temperature=1.0, metrics={})
-    return {name: p.grad.full_tensor().clone() for name, p in module.named_parameters() if p.grad is not None}
+    return {name: full_value(p.grad).clone() for name, p in module.named_parameters() if p.grad is not None}
 
 
 def _reference_grads(model_dir: str, mode: str) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from hybridflow.workers.fsdp_utils import build_device_mesh, full_state_dict
 from hybridflow.workers.lora import merged_hf_weights
 from hybridflow.workers.model_builder import build_training_parts
 from tests.tiny_configs import MOE_FAMILIES, tiny_decoder_config
-from tests.utils.checkpoint.fsdp_toy import gloo_group
+from tests.utils.checkpoint.fsdp_toy import SHARDED, gloo_group
 from tests.workers.grouped_batches import grouped_batch
 from tests.workers.test_loss_normalisation import _actor_config
 
@@ -53,7 +53,7 @@ def _train_step(model_cfg: dict, lr: float = 1e-2):
     micro-batches cut by a 30-token budget (dynamic batch size)."""
     parts = build_training_parts(
         OmegaConf.create(model_cfg),
-        OmegaConf.create({}),
+        OmegaConf.create(SHARDED),
         OmegaConf.create({"lr": lr, "weight_decay": 0.0}),
         build_device_mesh(1, "cpu"),
     )
@@ -163,7 +163,7 @@ def test_full_moe_checkpoint_loads_back_and_merges(tmp_path):
         with torch.no_grad():
             log_probs, _ = response_log_probs(parts.module.eval(), data, temperature=1.0)
         fresh = build_training_parts(
-            OmegaConf.create({"path": model_dir}), OmegaConf.create({}), OmegaConf.create({"lr": 1e-2}),
+            OmegaConf.create({"path": model_dir}), OmegaConf.create(SHARDED), OmegaConf.create({"lr": 1e-2}),
             build_device_mesh(1, "cpu"),
         )  # fmt: skip
         FSDPCheckpointManager(fresh.module, fresh.optimizer, fresh.lr_scheduler).load_checkpoint(
@@ -187,7 +187,7 @@ def _sequence_parallel_rank(rank: int, port: int, model_dir: str, out_dir: str) 
     torch.set_num_threads(1)
     with gloo_group(rank, 2, port):
         parts = build_training_parts(
-            OmegaConf.create({"path": model_dir}), OmegaConf.create({}), OmegaConf.create({"lr": 1e-2}),
+            OmegaConf.create({"path": model_dir}), OmegaConf.create(SHARDED), OmegaConf.create({"lr": 1e-2}),
             build_device_mesh(2, "cpu"),
         )  # fmt: skip
         apply_sequence_parallel(parts.module, sequence_parallel_groups(2, 2, "cpu"))

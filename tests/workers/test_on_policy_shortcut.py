@@ -13,7 +13,7 @@ from hybridflow.utils.torch_functional import masked_mean
 from hybridflow.workers.actor.dp_actor import DataParallelPPOActor
 from hybridflow.workers.fsdp_utils import build_device_mesh
 from hybridflow.workers.model_builder import build_fsdp_module
-from tests.utils.checkpoint.fsdp_toy import gloo_group
+from tests.utils.checkpoint.fsdp_toy import full_value, gloo_group
 from tests.workers.test_loss_normalisation import RESPONSE_LEN, _actor_config, _batch
 
 BATCHING = OmegaConf.create(
@@ -36,7 +36,7 @@ def _actor(model_dir: str) -> DataParallelPPOActor:
 
 
 def _grads(actor) -> dict[str, torch.Tensor]:
-    return {n: p.grad.full_tensor().clone() for n, p in actor.module.named_parameters() if p.grad is not None}
+    return {n: full_value(p.grad).clone() for n, p in actor.module.named_parameters() if p.grad is not None}
 
 
 def test_update_log_probs_replace_the_recompute_exactly(tiny_model_dir):

@@ -92,7 +92,8 @@ ENGINE_LIMITED_VALUES: dict[str, tuple[tuple, str]] = {
     ),
 }
 
-FSDP_STRATEGIES = ("fsdp", "fsdp2")  # both are FSDP2 (fully_shard) here
+# both are FSDP2 (fully_shard) here; one fp32 worker keeps a plain module (fsdp_config.shard_one_rank)
+FSDP_STRATEGIES = ("fsdp", "fsdp2")
 STRATEGY_KEYS = (
     "actor_rollout_ref.actor.strategy",
     "actor_rollout_ref.ref.strategy",
@@ -216,6 +217,8 @@ def _sharding_problems(path: str, fsdp: dict, world_size: int) -> list[str]:
             f"{path}.fsdp_size={size} is not supported: every model is sharded over all {world_size} worker "
             "processes (hybrid sharding is not implemented); set -1"
         )
+    if not isinstance(fsdp.get("shard_one_rank", False), bool):
+        problems.append(f"{path}.shard_one_rank={fsdp['shard_one_rank']!r}: use true or false")
     wrap = fsdp.get("wrap_policy") or {}
     unknown = [k for k in wrap if k not in WRAP_POLICY_KEYS]
     if unknown:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from hybridflow.utils.ports import find_free_port as free_port
 
 VOCAB = 128
+SHARDED = {"shard_one_rank": True}  # an fsdp_config that keeps FSDP2 even on a mesh of one rank
 
 
 @contextlib.contextmanager
@@ -109,6 +110,17 @@ def train_steps(model, optimizer, scheduler, n: int) -> list[float]:
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def full_value(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (collective), or the tensor itself: a one-rank fp32 model stays plain
+    (``fsdp_config.shard_one_rank``)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def local_value(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor, or a plain tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def full_weights(model) -> dict[str, torch.Tensor]:
