@@ -89,6 +89,12 @@ class GroupQueue:
             self._cond.notify_all()
 
     @property
+    def error(self) -> BaseException | None:
+        """The failure :meth:`fail` recorded (None while the rollouter is well)."""
+        with self._cond:
+            return self._error
+
+    @property
     def taken(self) -> int:
         """Groups handed to the trainer so far."""
         return self._next

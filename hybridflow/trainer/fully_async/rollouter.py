@@ -24,12 +24,13 @@ go on, and ``rollout/replica_restarts`` / ``rollout/requests_rerouted`` count it
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 from collections import deque
 
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.fully_async.message_queue import GroupQueue, RolloutGroup
+from hybridflow.trainer.fully_async.message_queue import GroupQueue, RolloutGroup, RolloutStopped
 from hybridflow.trainer.ppo.rollouts import join_rollout, rollout_input
 from hybridflow.workers.rollout.agent_loop.elastic import ReplicaRestartLimit
 
@@ -79,15 +80,37 @@ class Rollouter:
         self._call(self._resume(int(version), bool(synced)))
 
     def stop(self) -> None:
-        """End streaming (the run is over or failed): abort what is in flight, stop serving."""
-        if self._loop is not None and self._thread.is_alive():
-            asyncio.run_coroutine_threadsafe(self._request_stop(), self._loop)
-            self._thread.join(timeout=120)
+        """End streaming (the run is over or failed): abort what is in flight, stop serving. A
+        rollouter whose thread is ending on its own (it failed) is only waited for: the error that
+        ended the run is the one to report, not its closed event loop."""
+        if self._loop is None or not self._thread.is_alive():
+            return
+        request = self._request_stop()
+        try:
+            asyncio.run_coroutine_threadsafe(request, self._loop)
+        except RuntimeError:  # the loop closed since the check: the thread is ending
+            request.close()
+        self._thread.join(timeout=120)
 
     def _call(self, coroutine):
+        """Run ``coroutine`` on the rollouter's loop and return its result. When the loop has ended
+        (the rollouter failed: a replica died), raises :class:`RolloutStopped` with that failure."""
         if self._loop is None:
+            coroutine.close()
             raise RuntimeError("the rollouter is not running")
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        try:
+            future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        except RuntimeError:  # "Event loop is closed": the rollouter's thread has ended
+            coroutine.close()
+            raise self._ended() from None
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:  # the loop ended before or while running it
+            raise self._ended() from None
+
+    def _ended(self) -> RolloutStopped:
+        error = self.queue.error
+        return RolloutStopped(str(error) if error is not None else "the rollouter's thread has ended")
 
     def metrics(self) -> dict[str, float]:
         """``fully_async/*`` counters of the rollouter (verl's names)."""

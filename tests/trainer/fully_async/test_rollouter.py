@@ -146,6 +146,23 @@ def test_a_failed_serve_loop_watcher_ends_the_run_within_seconds_naming_the_repl
         rollouter.stop()
 
 
+def test_a_pause_after_the_rollouter_failed_raises_its_failure_not_a_closed_loop():
+    """The trainer pauses the rollouter for a sync after the rollouter's thread ended on a replica's
+    failure (its event loop closed): the pause raises that failure, naming the replica (before:
+    ``RuntimeError('Event loop is closed')``, which hid it), and a stop afterwards is quiet."""
+    manager = FakeManager(hold=True, watch_error=ConnectionError("replica 0 (rank 0) died"))
+    rollouter = _rollouter(manager, max_groups=2)
+    rollouter.start(0)
+    try:
+        rollouter._thread.join(timeout=20)
+        assert not rollouter._thread.is_alive() and rollouter._loop.is_closed()
+        for call in (rollouter.pause, lambda: rollouter.resume(1)):
+            with pytest.raises(RolloutStopped, match=r"replica 0 \(rank 0\) died"):
+                call()
+    finally:
+        rollouter.stop()
+
+
 def test_the_watcher_names_the_replica_it_was_failing(ray_session):
     """The manager's watcher names the replica whose server it could not fail."""
     from hybridflow.workers.rollout.agent_loop.manager import AgentLoopManager
