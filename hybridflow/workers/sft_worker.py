@@ -58,7 +58,8 @@ class SFTWorker(FSDPWorkerBase):
         total_tokens = data.batch["loss_mask"][:, 1:].sum().clamp(min=1)
         loss_sum = 0.0
         for index, micro in enumerate(micros):
-            model.set_requires_gradient_sync(index == len(micros) - 1)
+            if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 (one fp32 worker keeps a plain module)
+                model.set_requires_gradient_sync(index == len(micros) - 1)
             token_loss_sum, _ = sft_loss(model, micro)
             (token_loss_sum / total_tokens).backward()
             loss_sum += float(token_loss_sum.detach())

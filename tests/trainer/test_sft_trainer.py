@@ -22,7 +22,8 @@ def test_sft_dataset_masks_only_the_response(tiny_model_dir, tmp_path):
     assert batch["input_ids"].shape[1] == int(batch["attention_mask"].sum(-1).max()) < 64
 
 
-def test_sft_run_lowers_loss_and_saves_hf_model(ray_session, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("workers", [2, 1])  # one fp32 worker: a plain module, no FSDP2
+def test_sft_run_lowers_loss_and_saves_hf_model(ray_session, tiny_model_dir, tmp_path, workers):
     from transformers import AutoModelForCausalLM
 
     from hybridflow.tasks.arithmetic import ArithmeticTaskConfig, write_sft_dataset
@@ -39,6 +40,7 @@ def test_sft_run_lowers_loss_and_saves_hf_model(ray_session, tiny_model_dir, tmp
             "data.train_batch_size=16",
             "data.micro_batch_size_per_gpu=4",
             "optim.lr=3e-3",
+            f"trainer.n_gpus_per_node={workers}",
         ],
         config_name="sft_trainer",
     )
