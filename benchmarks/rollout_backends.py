@@ -194,7 +194,8 @@ def _hf(args):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).eval()
 
     def generate(rows):
         width = max(len(r) for r in rows)
@@ -233,7 +234,7 @@ def _generation_config(args, name: str):
             f"rollout.max_num_seqs={args.conversations if multi_turn else args.prompts}",
             f"rollout.enable_prefix_caching={str(args.prefix_caching).lower()}",
             f"trainer.num_threads={args.threads}",
-            "rollout.dtype=fp32",
+            f"rollout.dtype={args.dtype}",
             f"rollout.disable_log_stats={str(not multi_turn).lower()}",  # vLLM's prefix-cache counters
             f"rollout.block_size={args.block_size}",  # both backends cache whole blocks of this size
         ],
@@ -261,6 +262,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="both backends' cache"
+    )
+    parser.add_argument(
+        "--dtype", choices=["fp32", "bf16"], default="fp32", help="weights and KV cache (rollout.dtype), both"
     )
     parser.add_argument("--run", choices=["engine", "vllm", "hf"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -298,6 +302,8 @@ def main() -> None:
             "--prefix-caching" if args.prefix_caching else "--no-prefix-caching",
             "--block-size",
             str(args.block_size),
+            "--dtype",
+            args.dtype,
         ]
         out = subprocess.run(command, capture_output=True, text=True, check=False)
         lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
@@ -317,7 +323,13 @@ def main() -> None:
                 ratios[f"engine_over_{other}_{name}"] = round(ours / theirs, 3)
     from paged_cache import cpu_name  # benchmarks/ is on the path of its scripts
 
-    summary = {"ratios": ratios, "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "cpu": cpu_name()}
+    summary = {
+        "ratios": ratios,
+        "dtype": args.dtype,
+        "date": time.strftime("%Y-%m-%d"),
+        "cpus": os.cpu_count(),
+        "cpu": cpu_name(),
+    }
     print(json.dumps(summary), flush=True)
 
 

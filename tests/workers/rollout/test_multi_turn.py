@@ -287,3 +287,31 @@ def test_truncate_text_sides():
         out = truncate_text(text, 40, side)
         assert len(out) == 40 and "truncated" in out
     assert truncate_text("short", 40) == "short"
+
+
+def test_the_reference_chat_is_rendered_once_per_tokenizer_and_settings(tiny_model_dir, monkeypatch):
+    """A conversation starts without rendering the reference chat again: a renderer for a tokenizer,
+    end-of-turn ids and template kwargs seen before reuses that chat's ids (and renders the same turns);
+    the ids are forgotten with their tokenizer."""
+    import gc
+
+    from hybridflow.models.loading import load_tokenizer
+    from hybridflow.workers.rollout import multi_turn
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    first = multi_turn.ToolTurnRenderer(tokenizer, [EOS])
+    renders = []
+    real = multi_turn.ToolTurnRenderer._reference_prefix
+    monkeypatch.setattr(
+        multi_turn.ToolTurnRenderer, "_reference_prefix", lambda self: renders.append(1) or real(self)
+    )
+    again = multi_turn.ToolTurnRenderer(tokenizer, [EOS])
+    assert renders == [] and again._prefix == first._prefix
+    assert again.tool_turn_ids(["value: 5"]) == first.tool_turn_ids(["value: 5"])
+    thinking = multi_turn.ToolTurnRenderer(tokenizer, [EOS], {"enable_thinking": False})
+    assert renders == [1] and thinking.template_kwargs == {"enable_thinking": False}
+    key = id(tokenizer)
+    assert key in multi_turn._PREFIXES
+    del tokenizer, first, again, thinking
+    gc.collect()
+    assert key not in multi_turn._PREFIXES
