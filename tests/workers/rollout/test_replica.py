@@ -92,8 +92,15 @@ def test_concurrent_requests_share_the_running_batch(ray_session, tiny_model_dir
     assert stats["requests"] == 8
 
 
-def test_abort_returns_the_tokens_so_far(replicas):
+def test_abort_returns_the_tokens_so_far(replicas, monkeypatch):
     engine, server = replicas[0].engine, replicas[0].server
+    step = engine.step
+
+    def slow_step():  # 80 tokens take >= 0.8 s: the abort (a few Ray hops) always lands mid-request
+        time.sleep(0.01)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
     pending = _generate(server, "long", [9, 10, 11], max_tokens=80, ignore_eos=True)
     _wait_until(lambda: any(len(s.token_ids) >= 3 for s in list(engine._running)))
     ray.get(server.abort.remote("long"))
