@@ -162,8 +162,9 @@ def stays_plain_on_one_rank(mesh: DeviceMesh, fsdp_config) -> bool:
     with nothing for FSDP2 to do (no tensor parallelism, no mixed-precision cast, no CPU offload), and
     ``fsdp_config.shard_one_rank`` false (its default). FSDP2 on one rank only copies: every forward
     all-gathers each unit into a fresh buffer and every backward "reduce-scatters" its gradients into
-    another (10-13% of a small model's update on a 2-core AVX-512 CPU, docs/benchmarks.md); the plain
-    module computes the same numbers without them (tests/workers/test_one_rank_plain.py)."""
+    another (12-15% of a small model's update on a 2-core AVX-512 CPU, docs/benchmarks.md); the plain
+    module computes the same bits without them (tests/workers/test_fsdp_config_keys.py). On CUDA the
+    default mixed precision (bf16) keeps FSDP2."""
     if bool(fsdp_config.get("shard_one_rank", False)) or mesh.size() != 1 or is_tensor_parallel_mesh(mesh):
         return False
     if resolve_mixed_precision(fsdp_config.get("mixed_precision"), mesh.device_type):

@@ -18,7 +18,7 @@ from torch import nn
 
 from hybridflow.models.attention import register_cpu_attention
 from hybridflow.models.moe import without_router_aux_loss
-from hybridflow.utils.device import device_type
+from hybridflow.utils.device import current_device, device_type
 from hybridflow.workers.fsdp_utils import (
     apply_fsdp2,
     build_lr_scheduler,
@@ -150,7 +150,7 @@ def build_fsdp_module(
         apply_tensor_parallel(model, mesh)
     if stays_plain_on_one_rank(mesh, fsdp_cfg):
         sharded_units(model, fsdp_cfg)  # a wrap_policy naming no module is still an error
-        return model
+        return model.to(current_device())  # where fully_shard would have put it
     return apply_fsdp2(model, mesh, fsdp_cfg)
 
 

@@ -154,6 +154,23 @@ def test_one_rank_fp32_model_stays_plain_unless_fsdp2_has_work(tiny_model_dir, m
         assert isinstance(build_fsdp_module(model_cfg, OmegaConf.create(fsdp), mesh), FSDPModule), fsdp
 
 
+def test_a_one_rank_cuda_mesh_keeps_fsdp2_under_its_default_mixed_precision():
+    """On CUDA the default mixed precision is bf16 compute on fp32 master weights, which FSDP2 does:
+    a one-GPU run keeps FSDP2, and so does any run that asks for bf16 compute."""
+    from types import SimpleNamespace
+
+    from hybridflow.workers.fsdp_utils import stays_plain_on_one_rank
+
+    def mesh(kind):  # the three facts the decision reads of a DeviceMesh (no GPU here to build one)
+        return SimpleNamespace(size=lambda: 1, device_type=kind, mesh_dim_names=("fsdp",))
+
+    assert not stays_plain_on_one_rank(mesh("cuda"), OmegaConf.create({}))
+    bf16 = {"mixed_precision": {"param_dtype": "bf16"}}
+    assert not stays_plain_on_one_rank(mesh("cuda"), OmegaConf.create(bf16))
+    assert stays_plain_on_one_rank(mesh("cpu"), OmegaConf.create({}))
+    assert not stays_plain_on_one_rank(mesh("cpu"), OmegaConf.create(bf16))
+
+
 def test_plain_and_sharded_one_rank_actors_train_to_the_same_bits(tiny_model_dir, mesh):
     """Two PPO steps (micro-batches of 2, grad clipping, AdamW): every metric and weight bit-for-bit."""
     runs = {}

@@ -145,10 +145,10 @@ _PREFIXES: dict[int, tuple[weakref.ref, dict]] = {}
 
 
 def _reference_prefixes(tokenizer) -> dict:
-    """The reference chat's token ids computed for ``tokenizer`` so far, by (end-of-turn ids, template
-    kwargs): a conversation starts without rendering that chat again (~0.9 ms a sample before its first
-    request, on the agent-loop worker's event loop). Forgotten with the tokenizer; holds no reference
-    to it."""
+    """The reference chat's token ids computed for ``tokenizer`` so far, by (chat template, end-of-turn
+    ids, template kwargs): a conversation starts without rendering that chat again (~0.9 ms a sample
+    before its first request, on the agent-loop worker's event loop). Forgotten with the tokenizer;
+    holds no reference to it."""
     entry = _PREFIXES.get(id(tokenizer))
     if entry is None or entry[0]() is not tokenizer:
         forget = functools.partial(_PREFIXES.pop, id(tokenizer), None)

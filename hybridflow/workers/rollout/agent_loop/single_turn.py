@@ -51,7 +51,12 @@ def sample_images(kwargs: dict) -> dict:
 
 def backend_name(loop: AgentLoopBase) -> str:
     """How errors name the generation backend: ``rollout.name=engine`` or ``rollout.name=vllm``."""
-    return f"rollout.name={loop.config.actor_rollout_ref.rollout.get('name', 'engine')}"
+    return rollout_backend_name(loop.config.actor_rollout_ref.rollout)
+
+
+def rollout_backend_name(rollout_config) -> str:
+    """:func:`backend_name` from the ``rollout`` section itself."""
+    return f"rollout.name={rollout_config.get('name', 'engine')}"
 
 
 def turn_log_probs(output, wanted: bool, sample: str, backend: str) -> list[float] | None:

@@ -50,6 +50,7 @@ from hybridflow.workers.rollout.agent_loop.base import (
 )
 from hybridflow.workers.rollout.agent_loop.single_turn import (
     prompt_ids_of,
+    rollout_backend_name,
     sample_images,
     turn_log_probs,
     version_span,
@@ -126,7 +127,7 @@ def _settings(config) -> dict:
             "tool_config_path": multi_turn.get("tool_config_path"),
             "format": str(multi_turn.get("format", "hermes")),
             "interaction_config_path": multi_turn.get("interaction_config_path"),
-            "backend": f"rollout.name={rollout_config.get('name', 'engine')}",
+            "backend": rollout_backend_name(rollout_config),
         }
         if len(_SETTINGS) >= 16:  # configs of finished runs in this process (tests): keep a few
             _SETTINGS.clear()
