@@ -31,7 +31,8 @@ A mode may be named more than once (``--modes async,async_traced,async,async_tra
 repetitions, each in its own directory). With a mode and its ``_traced`` twin, the last line is the
 trace's overhead: the mean step time of the traced runs over the untraced ones, and the median over the
 timed steps of the step-by-step ratio (both runs draw the same samples, so step i of each is the same
-work). With ``sync``, the last line is each mode's speed-up over it.
+work). With ``sync``, the summary gives each mode's speed-up over it, then the overlap bound
+(:func:`overlap_bound`: what hiding the rewards behind generation can gain at most).
 """
 
 from __future__ import annotations
@@ -405,9 +406,20 @@ def main(argv=None) -> None:
                 m: round(_mean([r["samples_per_s"] for r in rs]) / base, 3) for m, rs in results.items()
             }
             print(json.dumps({**machine, "speedup_over_sync": speedup}), flush=True)
+            print(json.dumps({**machine, "overlap_bound_over_sync": overlap_bound(results["sync"], args)}))
         overhead = trace_overhead(results)
         if overhead:
             print(json.dumps({**machine, "trace_overhead": overhead}), flush=True)
+
+
+def overlap_bound(sync_runs: list[dict], args) -> float:
+    """The most a mode that scores rewards while others still generate can gain over ``sync`` here:
+    sync's step over the same step with its reward phase hidden but for the last sample's score
+    (``--reward-latency``: it starts once that sample is generated). Reached only if that mode's
+    generation and update take no longer than sync's."""
+    step = _mean([r["step_s"] for r in sync_runs])
+    reward = _mean([r["phase_s"].get("reward", 0.0) for r in sync_runs])
+    return round(step / (step - reward + args.reward_latency), 3)
 
 
 def _mean(values: list[float]) -> float:

@@ -162,3 +162,51 @@ class LoopClient:
 
     async def sent(self) -> list[int]:
         return list(self.server_manager.sent)
+
+
+class WakeFailingReplica(ScriptedReplica):
+    """A replica whose wake-up raises while ``fail_wake`` is set (a rank that cannot take the weights
+    or allocate its cache)."""
+
+    def __init__(self, seed: int = 1, step_s: float = 0.01) -> None:
+        super().__init__(seed, step_s)
+        self.fail_wake = True
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def set_fail_wake(self, fail: bool) -> None:
+        self.fail_wake = bool(fail)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def rollout_wake_up(self, rows: int | None = None) -> dict:
+        if self.fail_wake:
+            raise RuntimeError("the KV cache does not fit (scripted)")
+        return {}
+
+
+class ChunkClient(LoopClient):
+    """An agent-loop worker's ``generate_sequences`` over the real server manager: one request per
+    row, sent at once; each row's outcome (tokens or the error's type) kept for the test to read."""
+
+    def __init__(self, server_handles: list, names: list[str]) -> None:
+        super().__init__(server_handles, names)
+        self.outcomes: list[str] = []
+
+    async def generate_sequences(self, batch):
+        import asyncio
+
+        async def one(row: int):
+            try:
+                out = await self.generate(f"row-{row}-{len(self.outcomes)}", max_tokens=4)
+                return f"{len(out.token_ids)} tokens"
+            except Exception as error:  # Ray's RayTaskError(ReplicaError) is a ReplicaError too
+                from hybridflow.workers.rollout.replica import ReplicaError
+
+                return "ReplicaError" if isinstance(error, ReplicaError) else type(error).__name__
+
+        self.outcomes = list(await asyncio.gather(*(one(row) for row in range(len(batch)))))
+        if any("tokens" not in outcome for outcome in self.outcomes):
+            raise RuntimeError(f"rows failed: {self.outcomes}")
+        return batch
+
+    async def last_outcomes(self) -> list[str]:
+        return list(self.outcomes)

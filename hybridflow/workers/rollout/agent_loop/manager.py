@@ -5,14 +5,21 @@ Hybrid mode (the trainer's): each actor rank is one replica. Its engine stays in
 shares the actor's weights; the rank's :class:`~hybridflow.workers.rollout.replica.LLMServer` takes the
 requests. One ``generate_sequences`` call:
 
-1. ``rollout_wake_up`` on every rank: the actor's current weights into the engines (in place, as the
+1. the servers open and the batch, split over ``rollout.agent.num_workers``
+   :class:`~.worker.AgentLoopWorker` actors, starts one agent loop per sample at once: the loops render
+   their prompts and send their first turns while the replicas wake up, and the servers queue them;
+2. ``rollout_wake_up`` on every rank: the actor's current weights into the engines (in place, as the
    synchronous rollout does) and KV caches sized for the batch's samples (not the full budget: the
-   training state shares the memory);
-2. every rank runs ``serve_requests`` against its server (a long call) while the batch, split over
-   ``rollout.agent.num_workers`` :class:`~.worker.AgentLoopWorker` actors, runs one agent loop per
-   sample; requests spread over the replicas one at a time (least in flight, sticky per sample) and
-   each sample is scored as it finishes;
+   training state shares the memory); then every rank runs ``serve_requests`` against its server (a
+   long call), whose first exchange takes the queued requests into one prefill; requests spread over
+   the replicas one at a time (least in flight, sticky per sample) and each sample is scored as it
+   finishes;
 3. the servers stop, the ranks return from serving and ``rollout_sleep`` frees the KV caches.
+
+Starting the loops before the wake-up hides the wake-up (~20-25 ms a step on the long-tail workload,
+2 cores) behind the samples' starts. A wake-up that raises fails the servers, so the loops already
+waiting end at once, and the call raises the wake-up's error. With elastic replicas the loops start
+after the wake-up (a replica may be replaced during it).
 
 A rank whose process dies mid-rollout fails its server: the samples waiting on it raise an error
 naming the replica and the sample, and the call raises instead of hanging. An agent loop that raises
@@ -87,9 +94,20 @@ class AgentLoopManager:
         # sample the same response twice) and the trace's rollout_n
         numbers = rollout_numbers(prompts.non_tensor_batch.get(keys.UID), len(prompts))
         prompts.non_tensor_batch["rollout_n"] = np.array(numbers, dtype=np.int64)
-        sync_metrics, serve_refs = self.start_serving(rows=len(prompts))
         chunks = prompts.split(_even_sizes(len(prompts), len(self.workers)))
-        refs = [w.generate_sequences.remote(c) for w, c in zip(self.workers, chunks, strict=True) if len(c)]
+        if self.elastic is None:
+            # the loops start (prompts rendered, first turns sent) while the replicas wake: the servers
+            # queue the requests, and each engine takes its queue in its first exchange, one prefill
+            self._open_servers()
+            refs = self._dispatch(chunks)
+            try:
+                sync_metrics, serve_refs = self.start_serving(rows=len(prompts), opened=True)
+            except BaseException as error:
+                self._abandon(refs, error)
+                raise
+        else:  # a replica may be replaced while waking: the loops start once the serving set is known
+            sync_metrics, serve_refs = self.start_serving(rows=len(prompts))
+            refs = self._dispatch(chunks)
         try:
             outputs = self._wait(refs, serve_refs)
         finally:
@@ -104,10 +122,39 @@ class AgentLoopManager:
         )
         return output
 
-    def start_serving(self, rows: int | None = None) -> tuple[list, list]:
+    def _dispatch(self, chunks: list[DataProto]) -> list:
+        """One chunk per agent-loop worker (empty ones skipped); their outputs' futures."""
+        return [w.generate_sequences.remote(c) for w, c in zip(self.workers, chunks, strict=True) if len(c)]
+
+    def _open_servers(self) -> None:
+        """Let the servers take requests (a partial rollout's abort ended, stop cleared); they queue
+        them until their replicas serve."""
+        import ray
+
+        ray.get([server.start_serving.remote() for server in self.servers])
+
+    def _abandon(self, refs: list, error: BaseException) -> None:
+        """The replicas did not wake (``error``) while the chunks' loops were already waiting on the
+        servers: fail the servers so every loop ends at once, let the chunks return (their errors are
+        this one's consequence), and clear the failure for a later call."""
+        import ray
+
+        self.fail_servers(f"the replicas did not start serving: {type(error).__name__}: {error}")
+        try:
+            ray.wait(refs, num_returns=len(refs), timeout=60)
+        except Exception:  # noqa: S110  (Ray going down: the caller raises the wake-up's error)
+            pass
+        for server in self.servers:
+            try:
+                ray.get(server.recover.remote(), timeout=10)
+            except Exception:  # noqa: S112
+                continue
+
+    def start_serving(self, rows: int | None = None, opened: bool = False) -> tuple[list, list]:
         """Wake the replicas (weights in, KV caches for ``rows`` samples each at most — any replica may
         get all of a batch — or full size) and start their serve loops; returns the wake-up metrics and
-        one serve-loop future per replica (:meth:`stop_serving` ends them)."""
+        one serve-loop future per replica (:meth:`stop_serving` ends them). ``opened``: the servers
+        already take requests (:meth:`_open_servers`)."""
         import ray
 
         if self.elastic is None:
@@ -119,7 +166,8 @@ class AgentLoopManager:
         group = self.worker_group if len(ranks) == len(self.servers) else self.worker_group.view(ranks)
         back = [r for r in ranks if r in self._down]  # restarted replicas, weights loaded by the sync
         ray.get([self.servers[r].recover.remote() for r in back])
-        ray.get([server.start_serving.remote() for server in self.servers])
+        if not opened:
+            self._open_servers()
         serving = group.serve_requests_async([self.servers[r] for r in ranks])  # one long call per rank
         refs: list = [None] * len(self.servers)
         for position, rank in enumerate(ranks):
