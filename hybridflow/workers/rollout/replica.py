@@ -270,6 +270,33 @@ class ServeStats:
     deliveries: int = 0  # one-way calls with finished outputs while an exchange was held
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
+    # hybridflow's engine (its block pool), over this loop: prompt tokens looked up in the prefix cache
+    # and found there, sequences preempted, and the most KV blocks held at once over the pool's
+    # (None: an engine without a block pool, vLLM's)
+    prefix_queries: int | None = None
+    prefix_hits: int | None = None
+    preemptions: int | None = None
+    kv_blocks_peak_frac: float | None = None
+
+
+def _cache_counts(engine) -> tuple[int, int, int] | None:
+    """(prefix-cache queries, hits, preemptions) so far of hybridflow's engine, its pool's peak block
+    count restarted from what it holds now; None for an engine without a block pool."""
+    pool = getattr(engine, "pool", None)
+    if pool is None:
+        return None
+    pool.stats["peak_blocks"] = pool.num_used
+    return pool.stats["prefix_queries"], pool.stats["prefix_hits"], engine.stats["preemptions"]
+
+
+def _record_cache(stats: ServeStats, engine, before: tuple[int, int, int] | None) -> None:
+    if before is None:
+        return
+    pool = engine.pool
+    stats.prefix_queries = pool.stats["prefix_queries"] - before[0]
+    stats.prefix_hits = pool.stats["prefix_hits"] - before[1]
+    stats.preemptions = engine.stats["preemptions"] - before[2]
+    stats.kv_blocks_peak_frac = pool.stats["peak_blocks"] / max(1, pool.num_blocks)
 
 
 EXCHANGE_INTERVAL_S = 0.01  # after a stop, while requests still run: at most one exchange per this
@@ -306,6 +333,7 @@ def serve_requests(
     import ray
 
     stats, start = ServeStats(), time.perf_counter()
+    cache_before = _cache_counts(engine)
     finished: list[dict] = []  # outputs not yet sent
     in_flight = None  # the exchange sent and not yet answered (at most one)
     last_exchange, stopping = float("-inf"), False
@@ -367,6 +395,7 @@ def serve_requests(
         if reply["stop"] and not engine.has_unfinished() and not finished:
             break
     stats.seconds = time.perf_counter() - start
+    _record_cache(stats, engine, cache_before)
     return dataclasses.asdict(stats)
 
 

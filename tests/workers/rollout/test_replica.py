@@ -174,6 +174,33 @@ def test_the_serve_loop_exchanges_per_request_not_per_step(ray_session, tiny_mod
     assert stats["exchanges"] < stats["steps"] / 4, stats  # one per 10 ms of steps before: ~steps / 2
 
 
+def test_the_serve_loop_reports_its_prefix_cache_use_as_the_trainer_logs_it(ray_session, tiny_model_dir):
+    """Turn 2 of a conversation (turn 1's prompt and answer, then a tool's tokens) finds turn 1's full
+    blocks cached: the serve loop's stats count both turns' prompt tokens and the hits, and the agent
+    loops' manager turns two replicas' stats into the synchronous rollout's metrics."""
+    from hybridflow.workers.rollout.agent_loop.manager import _cache_metrics
+
+    replica = Replica(tiny_model_dir, "replica cache")
+    turn1 = list(range(5, 45))  # 40 tokens: 2 full blocks of 16
+    try:
+        first = ray.get(_generate(replica.server, "t1", turn1, max_tokens=8, ignore_eos=True))
+        turn2 = turn1 + list(first.token_ids) + [7, 8, 9]  # 51 tokens: turn 1's 48 in 3 full blocks
+        ray.get(_generate(replica.server, "t2", turn2, max_tokens=4, ignore_eos=True))
+    finally:
+        stats = replica.close()
+    block = replica.engine.pool.block_size
+    assert stats["prefix_queries"] == len(turn1) + len(turn2)
+    assert stats["prefix_hits"] == (len(turn1) + len(first.token_ids) - 1) // block * block  # 32 here
+    assert stats["preemptions"] == 0 and 0 < stats["kv_blocks_peak_frac"] <= 1
+    other = {"prefix_queries": 100, "prefix_hits": 0, "preemptions": 2, "kv_blocks_peak_frac": 0.9}
+    metrics = _cache_metrics([stats, other, {"requests": 0}])  # the last: a vLLM replica's stats
+    assert metrics == {
+        "rollout/prefix_cache_hit_rate": [stats["prefix_hits"] / (stats["prefix_queries"] + 100)],
+        "rollout/preemptions": [2.0],
+        "rollout/kv_blocks_peak_frac": [0.9],
+    }
+
+
 def test_a_failed_replica_raises_for_every_waiting_request(ray_session):
     server = ray.remote(num_cpus=0)(LLMServer).remote("replica 7 (rank 7)")  # no engine behind it
     pending = _generate(server, "stuck", [5, 6])

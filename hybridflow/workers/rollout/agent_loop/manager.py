@@ -405,6 +405,7 @@ class AgentLoopManager:
         metrics["agent_loop/replica_requests/max"] = [max(requests)]
         busy = [float(s.get("seconds", 0.0)) for s in served]
         metrics["agent_loop/replica_serve_s/max"] = [max(busy)]
+        metrics.update(_cache_metrics(served))
         for rank_metrics in sync_metrics:  # the weight sync of each rank (the worst is kept)
             for key, value in (rank_metrics or {}).items():
                 metrics.setdefault(key, []).append(value)
@@ -412,6 +413,22 @@ class AgentLoopManager:
 
 
 REWARD_META = ("reward_metrics", "reward_clock")  # per worker (the reward loop's), merged by _metrics
+
+
+def _cache_metrics(served: list[dict]) -> dict[str, list[float]]:
+    """The synchronous rollout's cache metrics over the replicas' serve loops (hybridflow's engine):
+    ``rollout/prefix_cache_hit_rate`` (cached prompt tokens / prompt tokens), ``rollout/preemptions``
+    and ``rollout/kv_blocks_peak_frac`` (the fullest replica's most blocks held at once)."""
+    counted = [s for s in served if s.get("prefix_queries") is not None]
+    if not counted:  # vLLM replicas, or every serve loop failed
+        return {}
+    queries = sum(s["prefix_queries"] for s in counted)
+    hits = sum(s["prefix_hits"] for s in counted)
+    return {
+        "rollout/prefix_cache_hit_rate": [hits / queries if queries else 0.0],
+        "rollout/preemptions": [float(sum(s["preemptions"] for s in counted))],
+        "rollout/kv_blocks_peak_frac": [max(s["kv_blocks_peak_frac"] for s in counted)],
+    }
 
 
 def _even_sizes(rows: int, parts: int) -> list[int]:
