@@ -55,7 +55,7 @@ from hybridflow.workers.rollout.engine.requests import (
 )
 from hybridflow.workers.rollout.engine.routing import captured_ids, new_record, prefix_caching_while_recording
 from hybridflow.workers.rollout.engine.sampling import SamplingParams
-from hybridflow.workers.rollout.engine.vision import image_prefill_inputs
+from hybridflow.workers.rollout.engine.vision import image_inputs_past_prefix
 
 
 class LLMEngine(AsyncEngineAPI, TokenAcceptance):
@@ -401,7 +401,9 @@ class LLMEngine(AsyncEngineAPI, TokenAcceptance):
         starts = [item.start for item in items]
         inputs, deltas = {}, [0] * len(items)
         if any(self._images(item) for item in items):  # image features in the embeddings, M-RoPE (.vision)
-            inputs, deltas = self._image_inputs(items, starts, max(lengths))
+            full = [item.tokens for item in items]
+            images = [self._images(item) for item in items]
+            inputs, deltas = image_inputs_past_prefix(self.model, full, images, starts, max(lengths))
         record = [] if self.record_routing else None
         logits = self.model.prefill(tokens, lengths_t, self.cache, table, starts, record=record, **inputs)
         routed = captured_ids(record, self.model.spec.moe)  # (P, T, L, k) on the host, or None
@@ -444,28 +446,6 @@ class LLMEngine(AsyncEngineAPI, TokenAcceptance):
     @staticmethod
     def _images(item: PrefillItem) -> dict | None:
         return (item.request or item.resumed.request).images
-
-    def _image_inputs(self, items: list[PrefillItem], starts: list[int], width: int):
-        """Embeddings and M-RoPE tables of the items' new tokens: computed over each whole sequence
-        (image features and positions depend on all of it), then cut at its cached prefix."""
-        device = self.model.device
-        full = [item.tokens for item in items]
-        lengths = torch.tensor([len(tokens) for tokens in full], device=device)
-        tokens = torch.zeros(len(full), int(lengths.max()), dtype=torch.long)
-        for row, row_tokens in enumerate(full):
-            tokens[row, : len(row_tokens)] = torch.tensor(row_tokens)
-        embeds, (cos, sin), deltas = image_prefill_inputs(
-            self.model, tokens.to(device), lengths, [self._images(item) for item in items]
-        )
-        index = torch.tensor(starts, device=device)[:, None] + torch.arange(width, device=device)[None, :]
-        index = index.clamp(max=embeds.shape[1] - 1)  # (P, T): each row's new positions (padding clamped)
-
-        def take(t: torch.Tensor) -> torch.Tensor:  # t (P, T_full, ...) -> (P, T, ...) at ``index``
-            return t.gather(1, index.view(*index.shape, *[1] * (t.dim() - 2)).expand(-1, -1, *t.shape[2:]))
-
-        cos = cos.expand(len(full), *cos.shape[1:]) if cos.shape[0] == 1 else cos
-        sin = sin.expand(len(full), *sin.shape[1:]) if sin.shape[0] == 1 else sin
-        return {"embeds": take(embeds), "rope": (take(cos), take(sin))}, deltas.tolist()
 
     def _decode(self, finished: list[EngineRequest]) -> None:
         """Decode the running batch: the static step (:mod:`.decode_step`), one step or a burst, when

@@ -169,3 +169,28 @@ def image_prefill_inputs(model, tokens: torch.Tensor, lengths: torch.Tensor, ima
     deltas = last + 1 - lengths
     rope = mrope_cos_sin(model.rope_cos, model.rope_sin_signed, positions, model.mrope_axes)
     return embeds, rope, deltas
+
+
+def image_inputs_past_prefix(
+    model, full: list[list[int]], images: list[dict | None], starts: list[int], width: int
+) -> tuple[dict, list[int]]:
+    """A prefill's inputs for P prompts ``full`` (each its whole token list) of which the first
+    ``starts[p]`` tokens are cached: :func:`image_prefill_inputs` over each whole prompt (image features
+    and M-RoPE positions depend on all of it), then cut to the ``width`` new positions after each
+    prefix. Returns ``({"embeds": (P, width, H), "rope": (cos, sin) (P, width, 1, hd)}, deltas)`` with
+    ``deltas`` each row's ``rope_delta``; positions past a row's end repeat its last."""
+    device = model.device
+    lengths = torch.tensor([len(tokens) for tokens in full], device=device)
+    tokens = torch.zeros(len(full), int(lengths.max()), dtype=torch.long)
+    for row, row_tokens in enumerate(full):
+        tokens[row, : len(row_tokens)] = torch.tensor(row_tokens)
+    embeds, (cos, sin), deltas = image_prefill_inputs(model, tokens.to(device), lengths, images)
+    index = torch.tensor(starts, device=device)[:, None] + torch.arange(width, device=device)[None, :]
+    index = index.clamp(max=embeds.shape[1] - 1)  # (P, width): each row's new positions (padding clamped)
+
+    def take(t: torch.Tensor) -> torch.Tensor:  # t (P, T_full, ...) -> (P, width, ...) at ``index``
+        return t.gather(1, index.view(*index.shape, *[1] * (t.dim() - 2)).expand(-1, -1, *t.shape[2:]))
+
+    cos = cos.expand(len(full), *cos.shape[1:]) if cos.shape[0] == 1 else cos
+    sin = sin.expand(len(full), *sin.shape[1:]) if sin.shape[0] == 1 else sin
+    return {"embeds": take(embeds), "rope": (take(cos), take(sin))}, deltas.tolist()
