@@ -157,6 +157,14 @@ def sharded_units(model: nn.Module, fsdp_config) -> list[nn.Module]:
     return _decoder_layers(model, wrap_policy.get("transformer_layer_cls_to_wrap"))
 
 
+def set_gradient_sync(module: nn.Module, sync: bool) -> None:
+    """Reduce-scatter gradients in this backward (``sync``) or keep accumulating them locally: FSDP2's
+    ``set_requires_gradient_sync``, used to sync only a mini-batch's last micro-batch. A plain module
+    (one fp32 worker, :func:`stays_plain_on_one_rank`) has nothing to sync: no-op."""
+    if hasattr(module, "set_requires_gradient_sync"):
+        module.set_requires_gradient_sync(sync)
+
+
 def stays_plain_on_one_rank(mesh: DeviceMesh, fsdp_config) -> bool:
     """Whether the model is left a plain module instead of being FSDP2-sharded: a mesh of one rank
     with nothing for FSDP2 to do (no tensor parallelism, no mixed-precision cast, no CPU offload), and

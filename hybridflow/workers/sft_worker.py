@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, register
-from hybridflow.workers.fsdp_utils import full_state_dict, grad_norm_and_clip
+from hybridflow.workers.fsdp_utils import full_state_dict, grad_norm_and_clip, set_gradient_sync
 from hybridflow.workers.fsdp_workers import FSDPWorkerBase, _own_copy
 from hybridflow.workers.model_builder import build_training_parts, load_hf_model, resolve_local_path
 
@@ -58,8 +58,7 @@ class SFTWorker(FSDPWorkerBase):
         total_tokens = data.batch["loss_mask"][:, 1:].sum().clamp(min=1)
         loss_sum = 0.0
         for index, micro in enumerate(micros):
-            if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 (one fp32 worker keeps a plain module)
-                model.set_requires_gradient_sync(index == len(micros) - 1)
+            set_gradient_sync(model, index == len(micros) - 1)
             token_loss_sum, _ = sft_loss(model, micro)
             (token_loss_sum / total_tokens).backward()
             loss_sum += float(token_loss_sum.detach())

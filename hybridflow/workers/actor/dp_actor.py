@@ -38,7 +38,7 @@ from hybridflow.utils.rollout_parity import rollout_parity_metrics
 from hybridflow.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 from hybridflow.workers.actor.distill import distill_forward, distilling
 from hybridflow.workers.forward import pad_responses, response_outputs
-from hybridflow.workers.fsdp_utils import grad_norm_and_clip
+from hybridflow.workers.fsdp_utils import grad_norm_and_clip, set_gradient_sync
 from hybridflow.workers.micro_batch import global_batch_info, restore_order, split_micro_batches
 from hybridflow.workers.router_replay import RECORD, REPLAY, acting, install, recorded_ids, replay_mode
 from hybridflow.workers.tensor_parallel import (
@@ -284,5 +284,4 @@ class DataParallelPPOActor:
 
     def _set_grad_sync(self, sync: bool) -> None:
         """Reduce-scatter gradients only on the last micro-batch of a mini-batch (FSDP2)."""
-        if hasattr(self.module, "set_requires_gradient_sync"):
-            self.module.set_requires_gradient_sync(sync)
+        set_gradient_sync(self.module, sync)

@@ -13,7 +13,7 @@ from hybridflow import keys
 from hybridflow.algorithms import compute_value_loss
 from hybridflow.protocol import DataProto
 from hybridflow.workers.forward import pad_responses, response_outputs
-from hybridflow.workers.fsdp_utils import grad_norm_and_clip
+from hybridflow.workers.fsdp_utils import grad_norm_and_clip, set_gradient_sync
 from hybridflow.workers.micro_batch import global_batch_info, restore_order, split_micro_batches
 from hybridflow.workers.ulysses import loss_dp_group, sequence_parallel_state, sequence_parallel_values
 
@@ -77,8 +77,7 @@ class DataParallelPPOCritic:
         )
         vf_loss_total = 0.0
         for index, micro in enumerate(micros):
-            if hasattr(self.module, "set_requires_gradient_sync"):
-                self.module.set_requires_gradient_sync(index == len(micros) - 1)
+            set_gradient_sync(self.module, index == len(micros) - 1)
             vpreds = forward_values(self.module, micro)
             mask = micro.batch[keys.RESPONSE_MASK].float()
             vf_loss, vf_clipfrac = compute_value_loss(

@@ -210,3 +210,24 @@ class ChunkClient(LoopClient):
 
     async def last_outcomes(self) -> list[str]:
         return list(self.outcomes)
+
+
+def bare_manager(replicas, client_cls):
+    """An :class:`~hybridflow.workers.rollout.agent_loop.manager.AgentLoopManager`'s state without an
+    agent-loop config: ``replicas`` (a worker group), one real :class:`LLMServer` per replica and one
+    agent-loop client (``client_cls``, e.g. :class:`LoopClient`) as its only worker; not elastic."""
+    import ray
+
+    from hybridflow.workers.rollout.agent_loop.manager import AgentLoopManager
+    from hybridflow.workers.rollout.replica import LLMServer
+
+    manager = object.__new__(AgentLoopManager)
+    manager.worker_group = replicas
+    manager.server_names = [f"replica {r} (rank {r})" for r in range(replicas.world_size)]
+    server_cls = ray.remote(num_cpus=0, max_concurrency=1000)(LLMServer)
+    manager.servers = [server_cls.remote(name) for name in manager.server_names]
+    client = ray.remote(num_cpus=0, max_concurrency=1000)(client_cls)
+    manager.workers = [client.remote(manager.servers, manager.server_names)]
+    manager.serving_refs, manager._down, manager.elastic = None, set(), None
+    return manager
+

@@ -170,9 +170,7 @@ def elastic_pool(ray_session):
     from hybridflow.single_controller.ray.base import wait_futures
     from hybridflow.workers.checkpoint_engine import CheckpointEngineManager
     from hybridflow.workers.rollout.agent_loop.elastic import ElasticReplicas
-    from hybridflow.workers.rollout.agent_loop.manager import AgentLoopManager
-    from hybridflow.workers.rollout.replica import LLMServer
-    from tests.workers.rollout.elastic_workers import LoopClient, PlainTrainer, ScriptedReplica
+    from tests.workers.rollout.elastic_workers import LoopClient, PlainTrainer, ScriptedReplica, bare_manager
 
     trainer = RayWorkerGroup(
         RayResourcePool([1], name_prefix="el_trainer"), RayClassWithInitArgs(PlainTrainer), name_prefix="el_t"
@@ -183,14 +181,7 @@ def elastic_pool(ray_session):
         name_prefix="el_rollout",
     )
     wait_futures([trainer.init_model_async(), replicas.init_model_async()])
-    manager = object.__new__(AgentLoopManager)  # the manager's state, without an agent-loop config
-    manager.worker_group = replicas
-    manager.server_names = [f"replica {r} (rank {r})" for r in range(2)]
-    server_cls = ray.remote(num_cpus=0, max_concurrency=1000)(LLMServer)
-    manager.servers = [server_cls.remote(name) for name in manager.server_names]
-    client_cls = ray.remote(num_cpus=0, max_concurrency=1000)(LoopClient)
-    manager.workers = [client_cls.remote(manager.servers, manager.server_names)]
-    manager.serving_refs, manager._down = None, set()
+    manager = bare_manager(replicas, LoopClient)
     manager.elastic = ElasticReplicas(manager, max_restarts=3)
     sync = CheckpointEngineManager("gloo", trainer, replicas, 4 * KIB, "torch.float32")
     manager.elastic.weight_sync = sync

@@ -21,9 +21,7 @@ def manager(ray_session):
     import ray
 
     from hybridflow.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-    from hybridflow.workers.rollout.agent_loop.manager import AgentLoopManager
-    from hybridflow.workers.rollout.replica import LLMServer
-    from tests.workers.rollout.elastic_workers import ChunkClient, WakeFailingReplica
+    from tests.workers.rollout.elastic_workers import ChunkClient, WakeFailingReplica, bare_manager
 
     replicas = RayWorkerGroup(
         RayResourcePool([2], name_prefix="wake_rollout"),
@@ -31,14 +29,7 @@ def manager(ray_session):
         name_prefix="wake_rollout",
     )
     replicas.init_model()
-    manager = object.__new__(AgentLoopManager)  # the manager's state, without an agent-loop config
-    manager.worker_group = replicas
-    manager.server_names = [f"replica {r} (rank {r})" for r in range(2)]
-    server_cls = ray.remote(num_cpus=0, max_concurrency=1000)(LLMServer)
-    manager.servers = [server_cls.remote(name) for name in manager.server_names]
-    client_cls = ray.remote(num_cpus=0, max_concurrency=1000)(ChunkClient)
-    manager.workers = [client_cls.remote(manager.servers, manager.server_names)]
-    manager.serving_refs, manager._down, manager.elastic = None, set(), None
+    manager = bare_manager(replicas, ChunkClient)
     yield manager
     for actor in [*manager.servers, *manager.workers]:
         ray.kill(actor)
