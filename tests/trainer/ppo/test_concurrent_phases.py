@@ -56,8 +56,10 @@ def test_phases_on_two_pools_overlap_and_keep_their_own_times(groups):
 def test_phases_on_one_pool_queue_and_are_timed_one_by_one(groups):
     timing = {}
     run_phases([_nap(g) for g in groups["shared"]], timing)
-    for name in (g.name for g in groups["shared"]):  # the second is not charged the first's wait
-        assert NAP_S <= timing[name] < NAP_S + 0.4
+    # the second is not charged the first's wait. Its span starts when the driver *saw* the first end,
+    # which is up to a scheduling delay after the worker began the second nap (CI once saw 0.7986 s).
+    for name in (g.name for g in groups["shared"]):
+        assert NAP_S - 0.05 <= timing[name] < NAP_S + 0.4
     assert timing["overlap_saved"] < 0.2
 
 
