@@ -121,6 +121,26 @@ def test_single_turn_without_calculate_log_probs_returns_none():
     assert output.response_ids == [5, 6, 7, EOS] and output.response_logprobs is None
 
 
+@pytest.mark.parametrize("loop_cls", [SingleTurnAgentLoop, ToolAgentLoop])
+def test_a_sample_cut_at_its_last_token_resumes_without_asking_for_zero_tokens(
+    loop_cls, tokenizer, monkeypatch
+):
+    """An abort that lands as the response reaches ``response_length``: the partial output already holds
+    the whole budget; its resume ends the sample with those tokens and sends no request (before, the
+    single-turn loop asked the server for ``max_tokens=0``, which the server refuses)."""
+    monkeypatch.setattr(tool_agent, "_tools", lambda path: {})
+    config = _config()
+    config.actor_rollout_ref.rollout.response_length = 4
+    servers = ScriptedServers([[5, 6, 7, 8, 9, EOS]], cut={1: 4})
+    fields = {"raw_prompt_ids": [1, 2], "sample_id": "s-9"}
+    partial = _run(loop_cls, config, servers, tokenizer, **fields)
+    assert partial.extra_fields["is_partial"] and partial.response_ids == [5, 6, 7, 8]
+    output = _run(loop_cls, config, servers, tokenizer, **fields, partial_output=partial)
+    assert servers.calls == 1, "the resume sent a request with no budget left"
+    assert not output.extra_fields["is_partial"] and output.response_ids == [5, 6, 7, 8]
+    assert output.response_logprobs == [-0.25] * 4
+
+
 def test_tool_agent_missing_log_probs_are_an_error(tokenizer, monkeypatch):
     monkeypatch.setattr(tool_agent, "_tools", lambda path: {})
     servers = ScriptedServers([tokenizer.encode("hello", add_special_tokens=False) + [EOS]], log_probs=False)

@@ -180,7 +180,7 @@ def test_server_mode_carries_routed_experts_that_the_actor_replays(moe):
     assert (shifted - log_probs["R3"])[response].abs().max() > 1e-2
 
 
-def test_a_resumed_sample_carries_the_resumed_requests_record_of_the_whole_sample(moe):
+def test_a_resumed_sample_carries_the_resumed_requests_record_of_the_whole_sample(moe, monkeypatch):
     """Partial rollout: abort mid-flight, resume from prompt + partial response: the output's ids
     cover prompt + the whole response (the resumed prefill's routing), and lay out like any sample's."""
     _, model, replica, tokenizer = moe
@@ -188,6 +188,13 @@ def test_a_resumed_sample_carries_the_resumed_requests_record_of_the_whole_sampl
     fields = {"raw_prompt_ids": [5, 6, 7, 8], "sample_id": "cut"}
     params = {**PARAMS, "seed": 5, "seed_sample": 0}
     engine = replica.engine
+    step = engine.step
+
+    def slow_step():  # 40 tokens take >= 0.4 s: the abort (a few Ray hops) lands mid-request
+        time.sleep(0.01)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
 
     def started() -> bool:
         return any(len(s.token_ids) >= 3 for s in list(engine._running))

@@ -30,6 +30,7 @@ from hybridflow.workers.rollout.agent_loop.base import (
     AgentLoopOutput,
     register,
 )
+from hybridflow.workers.rollout.replica import TokenOutput
 
 
 async def prompt_ids_of(loop: AgentLoopBase, kwargs: dict) -> list[int]:
@@ -116,9 +117,12 @@ class SingleTurnAgentLoop(AgentLoopBase):
         if params.get("seed") is not None:
             params["seed_position"] = len(response)  # continue the sample's own sampling stream
         start = time.perf_counter()
-        output = await self.server_manager.generate(
-            request_id, prompt_ids=prompt_ids + response, sampling_params=params, **sample_images(kwargs)
-        )
+        if params["max_tokens"] <= 0:  # resumed with its budget spent (cut at its last token): done
+            output = TokenOutput(token_ids=[], log_probs=[] if wanted else None, stop_reason="length")
+        else:
+            output = await self.server_manager.generate(
+                request_id, prompt_ids=prompt_ids + response, sampling_params=params, **sample_images(kwargs)
+            )
         spent += time.perf_counter() - start
         turn = turn_log_probs(output, wanted, request_id, backend_name(self))
         # router replay R3: this request's record covers prompt + response so far + its tokens (a resumed
