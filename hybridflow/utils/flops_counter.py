@@ -174,6 +174,19 @@ class FlopsCounter:
             self._peak = _this_device_peak()
         return self._peak
 
+    def flops(self, batch_seqlens: Sequence[int]) -> float:
+        """Training FLOPs of sequences of ``batch_seqlens`` tokens (NaN: no formula for the model)."""
+        if self.formula is None:
+            return float("nan")
+        return float(step_flops(self.config, batch_seqlens, model_type=self.formula))
+
+    def saved_fraction(self, rows: Sequence[int], repeated_prompts: Sequence[int]) -> float:
+        """The share of the FLOPs of ``rows`` (real tokens per row) that a shared-prompt layout did not
+        compute: those of sequences of ``repeated_prompts`` tokens (see
+        :func:`hybridflow.workers.shared_prefix.repeated_prompts`); 0 with no rows."""
+        total = self.flops(rows) if rows else 0.0
+        return self.flops(repeated_prompts) / total if total and repeated_prompts else 0.0
+
     def estimate(
         self, batch_seqlens: Sequence[int], delta_time: float, images_seqlens: Sequence[int] | None = None
     ) -> tuple[float, float]:

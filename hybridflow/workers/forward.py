@@ -21,8 +21,10 @@ attention implementations pack shared prompts with a dense block mask when that 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -35,6 +37,41 @@ from hybridflow.workers.packed_rows import gather_packed_outputs, plan_packed_ro
 from hybridflow.workers.router_replay import prepare_forward
 from hybridflow.workers.shared_prefix import PackedBatch, gather_response_outputs, plan_packing
 from hybridflow.workers.vision_forward import has_images, vision_response_outputs
+
+
+@dataclass
+class ForwardTally:
+    """What the forwards inside :func:`tally_forwards` computed, for their FLOPs: ``rows``, every row's
+    real tokens; ``repeated_prompts``, the prompt lengths the shared-prompt layouts computed once for a
+    group instead of once per row (:func:`~hybridflow.workers.shared_prefix.repeated_prompts`). The
+    forwards' FLOPs are those of ``rows`` less those of ``repeated_prompts``."""
+
+    rows: list[int] = field(default_factory=list)
+    repeated_prompts: list[int] = field(default_factory=list)
+
+
+_OPEN_TALLIES: list[ForwardTally] = []
+
+
+@contextlib.contextmanager
+def tally_forwards():
+    """Within it, every :func:`response_outputs` call adds its rows to the tally it yields."""
+    tally = ForwardTally()
+    _OPEN_TALLIES.append(tally)
+    try:
+        yield tally
+    finally:
+        _OPEN_TALLIES.remove(tally)
+
+
+def tally_rows(micro: DataProto, repeated: list[int]) -> None:
+    """Add ``micro``'s rows and the prompt lengths its layout computed once per group (``repeated``) to
+    the open tallies (none open: nothing)."""
+    if _OPEN_TALLIES:
+        rows = micro.batch[keys.ATTENTION_MASK].sum(-1).tolist()
+        for tally in _OPEN_TALLIES:
+            tally.rows.extend(rows)
+            tally.repeated_prompts.extend(repeated)
 
 
 def attended_span(attention_mask: torch.Tensor, prompt_len: int) -> tuple[int, int]:
@@ -67,11 +104,13 @@ def response_outputs(model: nn.Module, micro: DataProto) -> torch.Tensor:
     prompt_len = micro.batch[keys.INPUT_IDS].shape[1] - micro.batch[keys.RESPONSES].shape[1]
     first, end = attended_span(micro.batch[keys.ATTENTION_MASK], prompt_len)
     if has_images(micro):  # image rows: M-RoPE positions, images encoded in the forward (padded layout)
+        tally_rows(micro, [])
         return vision_response_outputs(model, micro, first, end, prompt_len)
     config = unwrap_peft(model).config
     if getattr(config, "_attn_implementation", None) == CPU_ATTENTION:
         rows = plan_packed_rows(micro, end - first)
         if rows is not None:
+            tally_rows(micro, rows.repeated_prompts)
             prepare_forward(model, micro, rows.input_ids, rows)  # router replay's ids (no-op when off)
             logits = _logits(
                 model, rows.input_ids, rows.attention_mask, rows.position_ids, rows.kept_positions
@@ -80,8 +119,10 @@ def response_outputs(model: nn.Module, micro: DataProto) -> torch.Tensor:
     else:
         packed = plan_packing(micro, config, end - first)
         if packed is not None:
+            tally_rows(micro, packed.repeated_prompts)
             prepare_forward(model, micro, packed.input_ids, packed)
             return _packed_outputs(model, packed)
+    tally_rows(micro, [])
     kept_response_len = end - prompt_len
     prepare_forward(model, micro, micro.batch[keys.INPUT_IDS][:, first:end], (first, end))
     logits = _logits(

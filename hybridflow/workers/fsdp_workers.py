@@ -27,8 +27,9 @@ from hybridflow.utils.profiler import WorkerProfiler, annotate
 from hybridflow.workers.actor.dp_actor import DataParallelPPOActor
 from hybridflow.workers.checkpoint_engine.manager import CheckpointEngineWorker
 from hybridflow.workers.critic.dp_critic import DataParallelPPOCritic
+from hybridflow.workers.forward import tally_forwards
 from hybridflow.workers.fsdp_utils import build_device_mesh
-from hybridflow.workers.lora import adapter_disabled, lora_enabled
+from hybridflow.workers.lora import adapter_disabled, lora_enabled, unwrap_peft
 from hybridflow.workers.model_builder import build_fsdp_module, build_training_parts, resolve_local_path
 from hybridflow.workers.rollout.base import get_rollout_cls
 from hybridflow.workers.rollout.engine.parallel import SINGLE, GenerationShard
@@ -448,8 +449,14 @@ class ActorRolloutRefWorker(CheckpointEngineWorker, FSDPWorkerBase):
 
         start = time.perf_counter()
         lr = self.actor_parts.lr_scheduler.get_last_lr()[0]
-        with phase_peak_rss() as update_peak:  # the update's own peak: activations of one micro-batch
+        with phase_peak_rss() as update_peak, tally_forwards() as tally:  # peak: one micro-batch's
             metrics = _mean_metrics(self.actor.update_policy(data))
+        # the model FLOPs the update's shared prompts did not compute (perf/mfu/actor counts the rest)
+        if getattr(self, "_update_flops", None) is None:
+            self._update_flops = _update_flops_counter(self.actor_module)
+        metrics["perf/shared_prompt_saved_frac"] = self._update_flops.saved_fraction(
+            tally.rows, tally.repeated_prompts
+        )
         self.actor_parts.lr_scheduler.step()
         self._rollout_weights_stale = self._is_rollout
         metrics.update(
@@ -458,6 +465,18 @@ class ActorRolloutRefWorker(CheckpointEngineWorker, FSDPWorkerBase):
         if "gb" in update_peak:
             metrics["perf/update_actor_max_rss_gb"] = update_peak["gb"]  # "max": the largest rank
         return DataProto(meta_info={"metrics": metrics})
+
+
+def _update_flops_counter(module):
+    """The FLOPs formula of ``module``'s model, as the driver's MFU picks it (its warnings are the
+    driver's to give)."""
+    import warnings
+
+    from hybridflow.utils.flops_counter import FlopsCounter
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return FlopsCounter(unwrap_peft(module).config)
 
 
 def critic_batch_sizes_per_rank(cfg: DictConfig, world: int, rollout_n: int | None = None) -> DictConfig:

@@ -21,14 +21,14 @@ most queries of a row, ``K`` the longest row (prompt + response), ``T_k`` the lo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from hybridflow import keys
 from hybridflow.models.attention import PackedRows
 from hybridflow.protocol import DataProto
-from hybridflow.workers.shared_prefix import prompt_groups, split_rows
+from hybridflow.workers.shared_prefix import prompt_groups, repeated_prompts, split_rows
 
 # Pack only when the packed row has at most this fraction of the padded layout's positions
 # (gathering queries, keys and outputs per layer costs a few percent).
@@ -46,6 +46,7 @@ class PackedInputs:
     kept_positions: torch.Tensor  # (M,) packed tokens whose outputs predict some response token
     predictor: torch.Tensor  # (b, T_k) index into kept_positions predicting response token t
     valid: torch.Tensor  # (b, T_k) bool, response token t exists in the row
+    repeated_prompts: list[int] = field(default_factory=list)  # shared_prefix.repeated_prompts
 
 
 def plan_packed_rows(micro: DataProto, padded_width: int, always: bool = False) -> PackedInputs | None:
@@ -61,7 +62,9 @@ def plan_packed_rows(micro: DataProto, padded_width: int, always: bool = False) 
     tokens = sum(len(rows[g[0]].prompt) + sum(len(rows[i].response) for i in g) for g in groups)
     if not always and tokens > MAX_TOKEN_FRACTION * len(rows) * padded_width:
         return None
-    return _build(rows, groups, micro.batch[keys.INPUT_IDS].device)
+    packed = _build(rows, groups, micro.batch[keys.INPUT_IDS].device)
+    packed.repeated_prompts = repeated_prompts(rows, groups)
+    return packed
 
 
 def _has_response_gaps(micro: DataProto) -> bool:

@@ -18,7 +18,7 @@ Shapes: ``b`` rows, ``G`` groups, ``L`` the longest packed row, ``T_k`` the long
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,6 +42,7 @@ class PackedBatch:
     group: torch.Tensor  # (b,) packed row of each row
     index: torch.Tensor  # (b, T_k) packed position whose output predicts response token t (0: unused)
     valid: torch.Tensor  # (b, T_k) bool, response token t exists in the row
+    repeated_prompts: list[int] = field(default_factory=list)  # see :func:`repeated_prompts`
 
 
 @dataclass
@@ -82,6 +83,15 @@ def prompt_groups(rows: list[Row]) -> list[list[int]]:
     return list(by_prompt.values())
 
 
+def repeated_prompts(rows: list[Row], groups: list[list[int]]) -> list[int]:
+    """The prompt lengths a shared-prompt layout does not compute: a group of ``m`` rows computes its
+    prompt once, not ``m`` times, so ``m - 1`` entries of its prompt's length. The layout's FLOPs are
+    the rows' FLOPs less those of sequences of these lengths, exactly (dense layers: ``p`` tokens
+    fewer per entry; attention: the pairs ``(p + r)^2`` counts per row, less ``p^2`` per entry, is
+    ``p^2 + sum(2 p r + r^2)``, the pairs the packed group attends)."""
+    return [len(rows[g[0]].prompt) for g in groups for _ in g[1:]]
+
+
 def _flops(model_config, tokens: int, attended_pairs: float) -> float:
     """Forward FLOPs of ``tokens`` tokens through the decoder's dense layers plus ``attended_pairs``
     (query, key) pairs of attention (per layer: 4 x heads x head_dim FLOPs per pair)."""
@@ -110,7 +120,9 @@ def plan_packing(micro: DataProto, model_config, padded_width: int) -> PackedBat
     packed = _flops(model_config, len(groups) * width, len(groups) * width**2)
     if packed > (1 - MIN_SAVING) * padded:
         return None
-    return _build(rows, groups, width, micro.batch[keys.INPUT_IDS].device)
+    packed = _build(rows, groups, width, micro.batch[keys.INPUT_IDS].device)
+    packed.repeated_prompts = repeated_prompts(rows, groups)
+    return packed
 
 
 def _build(rows: list[Row], groups: list[list[int]], width: int, device: torch.device) -> PackedBatch:

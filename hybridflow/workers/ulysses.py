@@ -32,6 +32,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.utils.torch_functional import entropy_from_logits
 from hybridflow.utils.ulysses import SequenceSlice, gather_sequence, padded_length, sum_over_sequence
 from hybridflow.utils.ulysses_rules import SP_KEY, configured_sp_size  # noqa: F401 (re-exported)
+from hybridflow.workers.forward import tally_rows
 from hybridflow.workers.lora import unwrap_peft
 from hybridflow.workers.packed_rows import PackedInputs, gather_packed_outputs, plan_packed_rows
 from hybridflow.workers.router_replay import prepare_forward
@@ -120,6 +121,7 @@ def sliced_forward(model: nn.Module, micro: DataProto, state: SequenceParallelSt
     packed = plan_packed_rows(micro, micro.batch[keys.INPUT_IDS].shape[1], always=True)
     if packed is None:
         raise ValueError(_unpackable_rows(micro))
+    tally_rows(micro, packed.repeated_prompts)
     total = packed.input_ids.shape[1]
     where = SequenceSlice(
         state.sp_group, state.sp_rank, state.sp_size, total, padded_length(total, state.sp_size)

@@ -168,3 +168,37 @@ def test_a_single_row_carries_no_quadratic_mask(monkeypatch):
     sdpa, _ = attention.cpu_attention_forward(module, q, k, v, plan.attention_mask)
     torch.testing.assert_close(matmul, want, rtol=0, atol=1e-10)
     torch.testing.assert_close(sdpa, want, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["packed", "block_mask", "padded"])
+def test_the_forward_tally_counts_each_shared_prompt_once(layout, monkeypatch, name):
+    """``perf/mfu/actor`` counts the update's FLOPs as the rows' less those of the repeated prompts
+    (the tally of ``tally_forwards``): exactly the packed layouts' tokens through the dense layers and
+    their attended pairs (a group: ``p^2 + sum(2 p r + r^2)``); nothing less in the padded layout."""
+    from hybridflow.utils.flops_counter import FlopsCounter
+    from hybridflow.workers.forward import tally_forwards
+
+    layout("packed" if name == "packed" else "padded")
+    if name == "block_mask":
+        monkeypatch.setattr(shared_prefix, "MIN_SAVING", -1e9)  # the block mask, whatever it saves
+    config = _config(register_cpu_attention() if name == "packed" else "sdpa")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad(), tally_forwards() as tally:
+        response_log_probs(model, _batch(), temperature=1.0)
+    rows = [len(p) + r for p, lengths in zip(PROMPTS, RESPONSE_LENGTHS) for r in lengths]
+    assert tally.rows == rows
+    groups = [(len(p), lengths) for p, lengths in zip(PROMPTS, RESPONSE_LENGTHS)]
+    if name == "padded":
+        assert tally.repeated_prompts == []
+        return
+    assert tally.repeated_prompts == [4, 4, 6, 6]  # the two groups of 3; the lone prompts: none
+    counter = FlopsCounter(config)
+    quadratic = (counter.flops([2]) - 2 * counter.flops([1])) / 2  # flops(s) = linear s + quadratic s^2
+    linear = counter.flops([1]) - quadratic
+    tokens = sum(p + sum(lengths) for p, lengths in groups)
+    pairs = sum(p * p + sum(2 * p * r + r * r for r in lengths) for p, lengths in groups)
+    computed = linear * tokens + quadratic * pairs
+    assert counter.flops(rows) - counter.flops(tally.repeated_prompts) == pytest.approx(computed, rel=1e-12)
+    saved = counter.saved_fraction(tally.rows, tally.repeated_prompts)
+    assert saved == pytest.approx(1 - computed / counter.flops(rows), rel=1e-12) and 0 < saved < 1

@@ -193,7 +193,7 @@ class RayPPOTrainer:
         metrics.update(metric_utils.compute_overhead_metrics(timing, metrics))
         metrics.update(self.reward_loop_metrics)
         self.reward_loop_metrics = {}
-        metrics.update(self.wg.mfu_metrics(batch, timing))
+        metrics.update(self.wg.mfu_metrics(batch, timing, metrics))
         metrics["training/global_step"] = self.global_steps
         return metrics
 

@@ -104,8 +104,11 @@ class WorkerGroups:
             return "+".join(self.placement.roles_on(pool))
         return "+".join(group.ray_cls_with_init.cls.role_methods)
 
-    def mfu_metrics(self, batch: DataProto, timing: dict) -> dict[str, float]:
-        """``perf/mfu/actor``: achieved training FLOP/s of the actor update over the peak of all workers."""
+    def mfu_metrics(self, batch: DataProto, timing: dict, metrics: dict | None = None) -> dict[str, float]:
+        """``perf/mfu/actor``: achieved training FLOP/s of the actor update over the peak of all workers.
+        The FLOPs are the rows' (verl's count) less the share the update's shared-prompt layouts did not
+        compute (``metrics["perf/shared_prompt_saved_frac"]``, from the workers): a GRPO group's prompt
+        computed once counts once, so MFU stays a utilisation (at most 1)."""
         if self.flops_counter is None and self.config is not None:
             self.flops_counter = _flops_counter(self.config, self.base.device_names)
             self.config = None  # once, even when no peak is known
@@ -113,7 +116,8 @@ class WorkerGroups:
             return {}
         seqlens = batch.meta_info.get("global_token_num") or []
         achieved, peak = self.flops_counter.estimate(seqlens, timing["update_actor"])
-        return {"perf/mfu/actor": achieved * self.ppo_epochs / (peak * self.world_size)}
+        computed = 1.0 - float((metrics or {}).get("perf/shared_prompt_saved_frac", 0.0))
+        return {"perf/mfu/actor": achieved * computed * self.ppo_epochs / (peak * self.world_size)}
 
     def shutdown(self) -> None:
         for group in self.pools.values():

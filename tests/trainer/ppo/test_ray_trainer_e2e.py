@@ -159,6 +159,7 @@ def test_grpo_run_logs_finite_verl_metrics(reference_run):
         "perf/total_num_tokens",
         "perf/throughput",
         "perf/mfu/actor",
+        "perf/shared_prompt_saved_frac",
         "perf/cpu_peak_rss_gb",
         "val-core/hybridflow/arithmetic/reward/mean@1",
         "timing_s/update_weights",

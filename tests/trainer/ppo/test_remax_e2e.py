@@ -45,3 +45,8 @@ def test_remax_trains_through_main_ppo(ray_session, tiny_model_dir, arithmetic_d
         for key in ("timing_s/gen_max", "actor/pg_loss", "actor/grad_norm", "critic/advantages/mean"):
             assert math.isfinite(metrics[step][key]), (step, key)
     assert "critic/vf_loss" not in metrics[2]  # ReMax needs no critic
+    # a micro-batch holds a prompt's 2 rows: its prompt is computed once (of two rows' FLOPs at most
+    # half), and MFU counts it once
+    for step in (1, 2):
+        assert 0.1 < metrics[step]["perf/shared_prompt_saved_frac"] < 0.5
+        assert 0 < metrics[step]["perf/mfu/actor"] < 1
