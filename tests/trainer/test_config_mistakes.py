@@ -206,6 +206,24 @@ def test_a_size_that_is_not_positive_is_named_with_its_value(base_overrides, ove
     assert len(problems) == 1 and message in problems[0], problems
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("gpu_memory_utilization=1.5", "gpu_memory_utilization=1.5 must be in (0, 1]"),
+        ("gpu_memory_utilization=0", "gpu_memory_utilization=0 must be in (0, 1]"),
+        ("kv_cache_memory_gb=0", "kv_cache_memory_gb=0 must be null"),
+        ("kv_cache_memory_gb=-2", "kv_cache_memory_gb=-2 must be null"),
+    ],
+)
+def test_a_kv_cache_budget_out_of_range_is_refused(base_overrides, override, message):
+    """Before, a share above 1 asked for more memory than the device has, and a budget of 0 GiB fell back
+    to the share without a word."""
+    problems = problems_of([*base_overrides, f"actor_rollout_ref.rollout.{override}"])
+    assert len(problems) == 1 and message in problems[0], problems
+    for fine in ("gpu_memory_utilization=1", "kv_cache_memory_gb=0.25"):
+        validate_config(load_config([*base_overrides, f"actor_rollout_ref.rollout.{fine}"]))
+
+
 def test_critic_sizes_are_checked_when_a_critic_is_built(base_overrides):
     critic = [*base_overrides, "critic.ppo_mini_batch_size=0"]
     validate_config(load_config(critic))  # GRPO: no critic
