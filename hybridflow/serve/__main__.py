@@ -73,7 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="classify: serve POST /classify for a sequence-classification model (a DisRM; "
         "hybridflow.serve.classify); auto: classify when the architecture is *ForSequenceClassification",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
+        parser.error(f"--gpu-memory-utilization={args.gpu_memory_utilization:g} must be in (0, 1]")
+    if args.kv_cache_memory_gb is not None and args.kv_cache_memory_gb <= 0:
+        parser.error(f"--kv-cache-memory-gb={args.kv_cache_memory_gb:g} must be > 0")
+    return args
 
 
 def run_vllm(args: argparse.Namespace) -> None:

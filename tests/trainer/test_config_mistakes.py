@@ -298,3 +298,19 @@ def test_serve_with_a_missing_model_directory_says_so(tmp_path):
         f"hybridflow.serve: error: --model {tmp_path}: the directory has no config.json "
         "(not a Hugging Face model directory)\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization=1.5 must be in (0, 1]"),
+        (["--kv-cache-memory-gb", "0"], "--kv-cache-memory-gb=0 must be > 0"),
+    ],
+)
+def test_serve_refuses_a_kv_budget_out_of_range(flag, message, capsys):
+    from hybridflow.serve.__main__ import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--model", "/no/such/dir", *flag])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert parse_args(["--model", "m", "--gpu-memory-utilization", "1"]).gpu_memory_utilization == 1
