@@ -209,6 +209,30 @@ def test_a_size_that_is_not_positive_is_named_with_its_value(base_overrides, ove
 @pytest.mark.parametrize(
     ("override", "message"),
     [
+        ("actor_rollout_ref.rollout.temperature=-1", "temperature=-1 must be >= 0 (0: greedy)"),
+        ("actor_rollout_ref.rollout.val_kwargs.top_p=1.5", "top_p=1.5 must be in (0, 1]"),
+        ("actor_rollout_ref.rollout.top_k=-5", "top_k=-5 must be -1 or 0 (off), or a positive integer"),
+        ("actor_rollout_ref.rollout.top_k=0.5", "top_k=0.5 must be -1 or 0 (off)"),
+        ("actor_rollout_ref.actor.clip_ratio_high=-0.28", "clip_ratio_high=-0.28 must be > 0"),
+        ("actor_rollout_ref.actor.grad_clip=-1", "grad_clip=-1 must be > 0 (the largest gradient norm"),
+        ("actor_rollout_ref.actor.optim.lr=-0.001", "lr=-0.001 must be >= 0"),
+        ("algorithm.gamma=1.5", "algorithm.gamma=1.5 must be in [0, 1]"),
+        ("algorithm.lam=fast", "algorithm.lam='fast' must be in [0, 1]"),
+        ("actor_rollout_ref.rollout.max_num_seqs=0", "max_num_seqs=0 must be a positive integer"),
+        ("actor_rollout_ref.rollout.block_size=-16", "block_size=-16 must be a positive integer (or null"),
+        ("actor_rollout_ref.rollout.response_length=0", "response_length=0 must be a positive integer"),
+    ],
+)
+def test_a_number_out_of_its_range_is_refused(base_overrides, override, message):
+    """Before, these started Ray and failed in a worker, or ran wrong without a word (a negative
+    grad_clip multiplies every gradient by a negative number: an ascent step)."""
+    problems = problems_of([*base_overrides, override])
+    assert len(problems) == 1 and message in problems[0], problems
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
         ("gpu_memory_utilization=1.5", "gpu_memory_utilization=1.5 must be in (0, 1]"),
         ("gpu_memory_utilization=0", "gpu_memory_utilization=0 must be in (0, 1]"),
         ("kv_cache_memory_gb=0", "kv_cache_memory_gb=0 must be null"),

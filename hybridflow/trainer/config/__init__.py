@@ -75,11 +75,17 @@ def load_config(
 def validate_config(config: DictConfig) -> None:
     """Raise :class:`ConfigError` listing every problem found."""
     from hybridflow.trainer.config.honesty import honesty_problems
-    from hybridflow.trainer.config.mistakes import BATCH_KEYS, bad_sizes, size_problems, unknown_key_problems
+    from hybridflow.trainer.config.mistakes import (
+        BATCH_KEYS,
+        bad_sizes,
+        range_problems,
+        size_problems,
+        unknown_key_problems,
+    )
 
     problems = unknown_key_problems(config, load_schema(), "ppo_trainer.yaml")
     sizes = bad_sizes(config)  # a size that is not positive: named as such, not as "not divisible"
-    problems += size_problems(sizes)
+    problems += size_problems(sizes) + range_problems(config)
     checks = (
         _check_files,
         _check_placement,

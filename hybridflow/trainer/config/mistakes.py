@@ -151,6 +151,9 @@ POSITIVE_KEYS = (
     "actor_rollout_ref.rollout.n",
     "actor_rollout_ref.actor.ppo_mini_batch_size",
     "actor_rollout_ref.actor.ppo_epochs",
+    "actor_rollout_ref.rollout.response_length",
+    "actor_rollout_ref.rollout.max_num_seqs",
+    "actor_rollout_ref.rollout.max_num_batched_tokens",
     "trainer.total_epochs",
     "trainer.nnodes",
     "trainer.n_gpus_per_node",
@@ -164,6 +167,7 @@ POSITIVE_WHERE_SET_KEYS = (
     "actor_rollout_ref.rollout.log_prob_micro_batch_size",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
     "actor_rollout_ref.rollout.val_kwargs.n",
+    "actor_rollout_ref.rollout.block_size",
     "trainer.total_training_steps",
 )
 CRITIC_KEYS = ("critic.ppo_mini_batch_size", "critic.ppo_epochs")  # only when a critic is built
@@ -218,7 +222,54 @@ def bad_sizes(config: DictConfig) -> dict[str, object]:
         value = OmegaConf.select(config, key, default=None)
         if value is not None and not is_positive_int(value):
             bad[key] = value
+    # rollout.response_length is ${data.max_response_length} unless set: one line for the one value
+    response = "actor_rollout_ref.rollout.response_length"
+    if response in bad and bad[response] == bad.get("data.max_response_length", object()):
+        del bad[response]
     return bad
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _top_k(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= -1
+
+
+# Numbers that have a range: (key, test, what the value must be). Checked where set (null: unset).
+_ROLLOUT, _ACTOR = "actor_rollout_ref.rollout", "actor_rollout_ref.actor"
+_NORM = "> 0 (the largest gradient norm; a negative one would flip the step)"
+RANGE_KEYS = (
+    (f"{_ROLLOUT}.temperature", lambda v: v >= 0, ">= 0 (0: greedy)"),
+    (f"{_ROLLOUT}.val_kwargs.temperature", lambda v: v >= 0, ">= 0 (0: greedy)"),
+    (f"{_ROLLOUT}.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    (f"{_ROLLOUT}.val_kwargs.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    (f"{_ROLLOUT}.top_k", None, "-1 or 0 (off), or a positive integer"),
+    (f"{_ROLLOUT}.val_kwargs.top_k", None, "-1 or 0 (off), or a positive integer"),
+    (f"{_ACTOR}.clip_ratio", lambda v: v > 0, "> 0"),
+    (f"{_ACTOR}.clip_ratio_low", lambda v: v > 0, "> 0"),
+    (f"{_ACTOR}.clip_ratio_high", lambda v: v > 0, "> 0"),
+    (f"{_ACTOR}.grad_clip", lambda v: v > 0, _NORM),
+    ("critic.grad_clip", lambda v: v > 0, _NORM),
+    (f"{_ACTOR}.optim.lr", lambda v: v >= 0, ">= 0"),
+    ("critic.optim.lr", lambda v: v >= 0, ">= 0"),
+    ("algorithm.gamma", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("algorithm.lam", lambda v: 0 <= v <= 1, "in [0, 1]"),
+)
+
+
+def range_problems(config: DictConfig) -> list[str]:
+    """One line per key of :data:`RANGE_KEYS` whose value is set and out of its range (or not a number)."""
+    problems = []
+    for key, test, must in RANGE_KEYS:
+        value = OmegaConf.select(config, key, default=None)
+        if value is None:
+            continue
+        ok = _top_k(value) if test is None else _number(value) and test(value)
+        if not ok:
+            problems.append(f"{key}={_show(value)} must be {must}")
+    return problems
 
 
 def size_problems(bad: dict[str, object]) -> list[str]:
