@@ -209,6 +209,26 @@ def test_a_size_that_is_not_positive_is_named_with_its_value(base_overrides, ove
 @pytest.mark.parametrize(
     ("override", "message"),
     [
+        ("actor_rollout_ref.model.enable_gradient_checkpointing=maybe", "='maybe' must be true or false"),
+        ("actor_rollout_ref.rollout.calculate_log_probs=yes", "log_probs='yes' must be true or false"),
+        ("data.shuffle=2", "data.shuffle=2 must be true or false"),
+        ("actor_rollout_ref.actor.clip_ratio_c=high", "clip_ratio_c='high' must be a number"),
+        ("data.truncation=sideways", "data.truncation='sideways' must be one of error, left, right, middle"),
+        ("trainer.resume_mode=sometimes", "='sometimes' must be one of auto, disable, resume_path"),
+        ("algorithm.kl_ctrl.type=exp", "kl_ctrl.type='exp' must be one of fixed, adaptive"),
+        ("actor_rollout_ref.rollout.dtype=fp16", "='fp16' must be one of fp32, float32, bf16, bfloat16"),
+    ],
+)
+def test_a_value_of_the_wrong_kind_or_outside_its_choices_is_refused(base_overrides, override, message):
+    """A string where a boolean goes was true whatever it said; an unknown resume mode resumed as
+    ``auto``; an unknown truncation, KL controller or rollout dtype failed in a worker after Ray started."""
+    problems = problems_of([*base_overrides, override])
+    assert len(problems) == 1 and message in problems[0], problems
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
         ("actor_rollout_ref.rollout.temperature=-1", "temperature=-1 must be >= 0 (0: greedy)"),
         ("actor_rollout_ref.rollout.val_kwargs.top_p=1.5", "top_p=1.5 must be in (0, 1]"),
         ("actor_rollout_ref.rollout.top_k=-5", "top_k=-5 must be -1 or 0 (off), or a positive integer"),
@@ -221,6 +241,8 @@ def test_a_size_that_is_not_positive_is_named_with_its_value(base_overrides, ove
         ("actor_rollout_ref.rollout.max_num_seqs=0", "max_num_seqs=0 must be a positive integer"),
         ("actor_rollout_ref.rollout.block_size=-16", "block_size=-16 must be a positive integer (or null"),
         ("actor_rollout_ref.rollout.response_length=0", "response_length=0 must be a positive integer"),
+        ("actor_rollout_ref.actor.kl_loss_coef=-1", "kl_loss_coef=-1 must be >= 0"),
+        ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu=0", "ppo_max_token_len_per_gpu=0 must be > 0"),
     ],
 )
 def test_a_number_out_of_its_range_is_refused(base_overrides, override, message):

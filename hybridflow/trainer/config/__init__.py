@@ -81,9 +81,11 @@ def validate_config(config: DictConfig) -> None:
         range_problems,
         size_problems,
         unknown_key_problems,
+        value_problems,
     )
 
-    problems = unknown_key_problems(config, load_schema(), "ppo_trainer.yaml")
+    schema = load_schema()
+    problems = unknown_key_problems(config, schema, "ppo_trainer.yaml") + value_problems(config, schema)
     sizes = bad_sizes(config)  # a size that is not positive: named as such, not as "not divisible"
     problems += size_problems(sizes) + range_problems(config)
     checks = (

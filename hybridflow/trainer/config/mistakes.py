@@ -254,9 +254,37 @@ RANGE_KEYS = (
     ("critic.grad_clip", lambda v: v > 0, _NORM),
     (f"{_ACTOR}.optim.lr", lambda v: v >= 0, ">= 0"),
     ("critic.optim.lr", lambda v: v >= 0, ">= 0"),
+    (f"{_ACTOR}.kl_loss_coef", lambda v: v >= 0, ">= 0"),
+    ("algorithm.kl_ctrl.kl_coef", lambda v: v >= 0, ">= 0"),
+    (f"{_ACTOR}.ppo_max_token_len_per_gpu", lambda v: v > 0, "> 0"),
     ("algorithm.gamma", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("algorithm.lam", lambda v: 0 <= v <= 1, "in [0, 1]"),
 )
+
+
+# String keys with a closed set of values (the ones whose other values would be read as one of these
+# or fail inside a worker): key -> the values.
+CHOICE_KEYS = {
+    "data.truncation": ("error", "left", "right", "middle"),
+    "trainer.resume_mode": ("auto", "disable", "resume_path"),
+    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "actor_rollout_ref.rollout.dtype": ("fp32", "float32", "bf16", "bfloat16", "auto"),
+}
+
+
+def value_problems(config: DictConfig, schema: DictConfig) -> list[str]:
+    """Values of the wrong kind (:func:`~.schema.type_mismatches`) or outside :data:`CHOICE_KEYS`."""
+    from hybridflow.trainer.config.schema import type_mismatches
+
+    sized = (*POSITIVE_KEYS, *POSITIVE_WHERE_SET_KEYS, *CRITIC_KEYS, *CRITIC_WHERE_SET_KEYS)
+    checked = {key for key, _, _ in RANGE_KEYS}.union(sized, REWARD_MODEL_WHERE_SET_KEYS)  # named there
+    mismatches = [m for m in type_mismatches(config, schema) if m[0] not in checked]
+    problems = [f"{path}={_show(value)} must be {kind}" for path, value, kind in mismatches]
+    for key, allowed in CHOICE_KEYS.items():
+        value = OmegaConf.select(config, key, default=None)
+        if value is not None and value not in allowed and value != "None":  # "None": rollout.dtype's null
+            problems.append(f"{key}={_show(value)} must be one of {', '.join(allowed)}")
+    return problems
 
 
 def range_problems(config: DictConfig) -> list[str]:
