@@ -233,7 +233,6 @@ def _check_unsupported(config: DictConfig) -> list[str]:
         value = rollout.get(key)
         if value is not None and not isinstance(value, int | float):
             problems.append(f"rollout.{key} must be null or a number, got {value!r}")
-    problems += _kv_budget_problems(rollout)
     threads = rollout.get("decode_threads")
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         problems.append(f"rollout.decode_threads must be null or an integer >= 1, got {threads!r}")
@@ -251,28 +250,6 @@ def _check_unsupported(config: DictConfig) -> list[str]:
     problems += _tool_problems(rollout) + _interaction_problems(rollout) + _engine_model_problems(config)
     problems += _check_lora(config.actor_rollout_ref.model)
     return problems + _agent_loop_problems(config) + _rollout_correction_problems(config)
-
-
-def _kv_budget_problems(rollout: DictConfig) -> list[str]:
-    """The KV cache's budget keys: ``gpu_memory_utilization`` a share in (0, 1] (as vLLM requires),
-    ``kv_cache_memory_gb`` null or a positive size (a 0 would fall back to the share unsaid)."""
-
-    def number(value) -> bool:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-
-    problems = []
-    share = rollout.get("gpu_memory_utilization")
-    if share is not None and not (number(share) and 0 < share <= 1):
-        problems.append(
-            f"rollout.gpu_memory_utilization={share!r} must be in (0, 1]: the share of the device's free "
-            "memory (RAM on the CPU) the KV cache takes"
-        )
-    gib = rollout.get("kv_cache_memory_gb")
-    if gib is not None and not (number(gib) and gib > 0):
-        problems.append(
-            f"rollout.kv_cache_memory_gb={gib!r} must be null (gpu_memory_utilization sizes it) or > 0 GiB"
-        )
-    return problems
 
 
 def _engine_model_problems(config: DictConfig) -> list[str]:

@@ -245,6 +245,8 @@ RANGE_KEYS = (
     (f"{_ROLLOUT}.val_kwargs.temperature", lambda v: v >= 0, ">= 0 (0: greedy)"),
     (f"{_ROLLOUT}.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
     (f"{_ROLLOUT}.val_kwargs.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    (f"{_ROLLOUT}.gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]: the KV share of free memory"),
+    (f"{_ROLLOUT}.kv_cache_memory_gb", lambda v: v > 0, "null (gpu_memory_utilization sizes it) or > 0 GiB"),
     (f"{_ROLLOUT}.top_k", None, "-1 or 0 (off), or a positive integer"),
     (f"{_ROLLOUT}.val_kwargs.top_k", None, "-1 or 0 (off), or a positive integer"),
     (f"{_ACTOR}.clip_ratio", lambda v: v > 0, "> 0"),

@@ -108,7 +108,7 @@ class WorkerGroups:
         """``perf/mfu/actor``: achieved training FLOP/s of the actor update over the peak of all workers.
         The FLOPs are the rows' (verl's count) less the share the update's shared-prompt layouts did not
         compute (``metrics["perf/shared_prompt_saved_frac"]``, from the workers): a GRPO group's prompt
-        computed once counts once, so MFU stays a utilisation (at most 1)."""
+        computed once counts once (counted per row, a tiny model's MFU read above 1)."""
         if self.flops_counter is None and self.config is not None:
             self.flops_counter = _flops_counter(self.config, self.base.device_names)
             self.config = None  # once, even when no peak is known
